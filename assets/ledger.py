@@ -1,0 +1,87 @@
+"""Assets of the raw log: `ledger_entries` (with `quarantine_entries`) and the `ledgers` catalog."""
+
+
+from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, asset, multi_asset
+from pydantic import Field
+
+from assets.metadata import table_metadata
+from resources.spark import SparkResource
+from resources.warehouse import WarehouseResource
+from txn_engine.ingest import ingest_files
+from txn_engine.ledgers import derive_ledger_catalog
+from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
+
+GROUP = "ledger"
+
+
+class IngestConfig(Config):
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Raw ledger files or folders to ingest (.jsonl, .csv, .parquet).",
+    )
+
+
+@multi_asset(
+    specs=[
+        AssetSpec(
+            LEDGER_ENTRIES,
+            group_name=GROUP,
+            description="Every entry of every ledger, validated; appended by ingest and by the engine.",
+        ),
+        AssetSpec(
+            QUARANTINE_ENTRIES,
+            group_name=GROUP,
+            description="Input rows that failed validation, with rule, reason, file and line.",
+        ),
+    ],
+)
+def ingest_ledger_entries(
+    context: AssetExecutionContext, config: IngestConfig, spark: SparkResource, warehouse: WarehouseResource
+):
+    """Ingest raw ledger files: valid rows to ledger_entries, invalid ones to quarantine_entries."""
+    if not config.paths:
+        raise Failure(
+            description="no input files: set config `paths` to the raw ledger files to ingest "
+            "(or run `txnlake ingest FILE...`)."
+        )
+    wh = warehouse.open(spark.session())
+    summary = ingest_files(wh, config.paths)
+    for line in summary.lines():
+        context.log.info(line)
+    common = {
+        "ingest_id": summary.ingest_id,
+        "files": MetadataValue.json(summary.files),
+        "rows_read": summary.rows_read,
+        "rows_written": summary.rows_written,
+        "rows_already_present": summary.rows_already_present,
+        "rows_repeated_in_input": summary.rows_repeated_in_input,
+        "rows_quarantined": summary.rows_quarantined,
+        "quarantine_by_rule": MetadataValue.json(summary.quarantine_by_rule),
+    }
+    entries_rows = wh.read(LEDGER_ENTRIES).count()
+    quarantine_rows = wh.read(QUARANTINE_ENTRIES).count() if wh.exists(QUARANTINE_ENTRIES) else 0
+    yield MaterializeResult(asset_key=LEDGER_ENTRIES, metadata=table_metadata(wh, LEDGER_ENTRIES, entries_rows, **common))
+    yield MaterializeResult(
+        asset_key=QUARANTINE_ENTRIES, metadata=table_metadata(wh, QUARANTINE_ENTRIES, quarantine_rows, **common)
+    )
+
+
+@asset(
+    name=LEDGERS,
+    group_name=GROUP,
+    deps=[LEDGER_ENTRIES],
+    description="The ledger catalog: state, entry range, entry count and bytes per (topic, ledger).",
+)
+def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
+    wh = warehouse.open(spark.session())
+    catalog = derive_ledger_catalog(wh.read(LEDGER_ENTRIES)).cache()
+    try:
+        wh.overwrite(LEDGERS, catalog)
+        states = {r["state"]: r["n"] for r in catalog.groupBy("state").count().withColumnRenamed("count", "n").collect()}
+        rows = sum(states.values())
+    finally:
+        catalog.unpersist()
+    context.log.info(f"ledgers: {rows} ledgers ({states})")
+    return MaterializeResult(
+        metadata=table_metadata(wh, LEDGERS, rows, ledgers_by_state=MetadataValue.json(states))
+    )

@@ -1,0 +1,146 @@
+"""The SparkSession: Delta configured, sized for this machine, one per process.
+
+A session costs seconds to start and its static config is fixed once created (a second
+builder's settings are silently ignored by Spark), so every caller in a process shares the
+session made by the first `get_spark()`; later differing static settings are reported, not lost
+silently. Override anything from Dagster config (`SparkResource(master=..., conf={...})`) or the
+environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Mapping
+
+from dagster import ConfigurableResource
+from pydantic import Field
+from pyspark.sql import SparkSession
+
+from resources.delta_jars import require_delta_jars
+from txn_engine.errors import ConfigurationError
+
+log = logging.getLogger(__name__)
+
+# Local mode on 2 cores / 24 GiB: both cores, a driver heap that leaves room for Python and
+# Dagster, few shuffle partitions (the default 200 costs more in task overhead than it saves).
+DEFAULT_SPARK_CONF: dict[str, str] = {
+    "spark.master": "local[2]",
+    "spark.app.name": "txnlake",
+    "spark.driver.memory": "8g",
+    "spark.sql.shuffle.partitions": "8",
+    "spark.default.parallelism": "4",
+    "spark.sql.adaptive.enabled": "true",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
+    "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
+    # Delta reads its log with 50 tasks by default: pure overhead on small local tables.
+    "spark.databricks.delta.snapshotPartitions": "2",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.execution.arrow.pyspark.enabled": "true",
+}
+
+_lock = threading.Lock()
+_session: SparkSession | None = None
+_session_conf: dict[str, str] = {}
+_startup_seconds: float | None = None
+
+
+def conf_from_environment() -> dict[str, str]:
+    conf: dict[str, str] = {}
+    master = os.environ.get("TXNLAKE_SPARK_MASTER")
+    if master:
+        conf["spark.master"] = master
+    raw = os.environ.get("TXNLAKE_SPARK_CONF", "")
+    for item in filter(None, (part.strip() for part in raw.replace("\n", ",").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigurationError(
+                f"TXNLAKE_SPARK_CONF item {item!r} is not key=value; write it as "
+                "TXNLAKE_SPARK_CONF='spark.driver.memory=4g,spark.sql.shuffle.partitions=4'"
+            )
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Defaults, then the environment, then explicit settings (Dagster config, tests)."""
+    merged = {**DEFAULT_SPARK_CONF, **conf_from_environment(), **(conf or {})}
+    if master:
+        merged["spark.master"] = master
+    if not _brings_own_delta(merged):
+        jars = ",".join(str(p) for p in require_delta_jars())
+        merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+    return merged
+
+
+def _brings_own_delta(conf: Mapping[str, str]) -> bool:
+    # On a cluster Delta may come from spark.jars.packages or the image; then the cache is moot.
+    return "delta-spark" in conf.get("spark.jars.packages", "") or "delta-spark" in conf.get(
+        "spark.jars", ""
+    )
+
+
+def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) -> SparkSession:
+    """The process's SparkSession, created on first use."""
+    global _session, _session_conf, _startup_seconds
+    wanted = effective_conf(master, conf)
+    with _lock:
+        if _session is not None and _session.sparkContext._jsc is not None:
+            _apply_runtime_conf(_session, wanted)
+            return _session
+        if wanted["spark.master"].startswith("local"):
+            # Local mode talks to itself only: bind to loopback, not to whatever eth0 is.
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        started = time.perf_counter()
+        builder = SparkSession.builder
+        for key, value in wanted.items():
+            builder = builder.config(key, value)
+        session = builder.getOrCreate()
+        session.sparkContext.setLogLevel(os.environ.get("TXNLAKE_SPARK_LOG_LEVEL", "ERROR"))
+        _startup_seconds = time.perf_counter() - started
+        _session, _session_conf = session, wanted
+        log.info("SparkSession started in %.1fs (master %s)", _startup_seconds, wanted["spark.master"])
+        return session
+
+
+def _apply_runtime_conf(session: SparkSession, wanted: Mapping[str, str]) -> None:
+    ignored = []
+    for key, value in wanted.items():
+        if _session_conf.get(key) == value:
+            continue
+        if key.startswith("spark.sql.") and key not in (
+            "spark.sql.extensions",
+            "spark.sql.catalog.spark_catalog",
+        ):
+            session.conf.set(key, value)  # SQL settings can change at run time
+        else:
+            ignored.append(key)
+    if ignored:
+        log.warning(
+            "SparkSession already running; static settings %s keep their first values. "
+            "Start a new process to change them.",
+            ", ".join(sorted(ignored)),
+        )
+
+
+def spark_startup_seconds() -> float | None:
+    """How long this process's SparkSession took to start (None before it has)."""
+    return _startup_seconds
+
+
+class SparkResource(ConfigurableResource):
+    """The shared SparkSession as a Dagster resource."""
+
+    master: str | None = Field(
+        default=None, description="spark.master; default local[2] or TXNLAKE_SPARK_MASTER."
+    )
+    conf: dict[str, str] = Field(
+        default_factory=dict, description="Extra Spark settings, applied over the defaults."
+    )
+
+    def session(self) -> SparkSession:
+        return get_spark(self.master, self.conf)

@@ -1,0 +1,29 @@
+"""The warehouse as a Dagster resource: settings configured once in Definitions."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from resources.spark import get_spark
+from txn_engine.settings import WarehouseSettings
+from txn_engine.warehouse import Warehouse
+
+
+class WarehouseResource(ConfigurableResource):
+    """Where the Delta tables live. Unset fields fall back to TXNLAKE_* environment, then defaults."""
+
+    root: str | None = Field(default=None, description="Warehouse root; default TXNLAKE_WAREHOUSE or ./warehouse.")
+    cold_tier: str | None = Field(default=None, description="Offload tier root; default <root>/cold.")
+    lock_dir: str | None = Field(default=None, description="Writer lock folder.")
+
+    def settings(self) -> WarehouseSettings:
+        overrides = {
+            k: v
+            for k, v in {"warehouse": self.root, "cold_tier": self.cold_tier, "lock_dir": self.lock_dir}.items()
+            if v is not None
+        }
+        return WarehouseSettings(**overrides)
+
+    def open(self, spark=None) -> Warehouse:
+        return Warehouse(spark or get_spark(), self.settings())

@@ -1,0 +1,63 @@
+"""Dagster: the Definitions load, every asset materializes in-process with useful metadata."""
+
+from __future__ import annotations
+
+from dagster import AssetKey, AssetSelection, materialize
+
+from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
+from tests.rows import entry, write_jsonl
+from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
+
+
+def metadata_of(result, key: str) -> dict:
+    [mat] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
+             if e.event_specific_data.materialization.asset_key == AssetKey(key)]
+    return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+
+
+def test_definitions_load_with_every_asset_and_sql_deps():
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    assert {LEDGER_ENTRIES, QUARANTINE_ENTRIES, LEDGERS, "ledger_sizes"} <= keys
+    assert graph.get(AssetKey("ledger_sizes")).parent_keys == {AssetKey(LEDGER_ENTRIES), AssetKey(LEDGERS)}
+    assert graph.get(AssetKey(LEDGERS)).parent_keys == {AssetKey(LEDGER_ENTRIES)}
+    assert defs.resolve_job_def("derive_all") is not None
+
+
+def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_root, tmp_path):
+    rows = [entry("orders-0", 1, i, payload=b"abcd") for i in range(5)] + [entry("orders-0", 2, 0)]
+    rows.append({**entry("orders-0", 2, 1), "entry_type": "NOPE"})
+    path = write_jsonl(tmp_path / "in.jsonl", rows)
+    ingest = materialize(
+        ALL_ASSETS,
+        selection=AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES),
+        resources=dagster_resources,
+        run_config={"ops": {"ingest_ledger_entries": {"config": {"paths": [str(path)]}}}},
+    )
+    assert ingest.success
+    meta = metadata_of(ingest, LEDGER_ENTRIES)
+    assert (meta["rows"], meta["rows_written"], meta["rows_quarantined"]) == (6, 6, 1)
+    assert meta["table_location"] == str(warehouse_root / LEDGER_ENTRIES)
+    assert metadata_of(ingest, QUARANTINE_ENTRIES)["rows"] == 1
+
+    derived = materialize(ALL_ASSETS, selection=DERIVED_SELECTION, resources=dagster_resources)
+    assert derived.success
+    materialized = {e.event_specific_data.materialization.asset_key.to_user_string()
+                    for e in derived.get_asset_materialization_events()}
+    assert {LEDGERS, "ledger_sizes"} <= materialized and LEDGER_ENTRIES not in materialized
+    assert metadata_of(derived, LEDGERS)["ledgers_by_state"] == {"CLOSED": 1, "OPEN": 1}
+    sizes = metadata_of(derived, "ledger_sizes")
+    assert sizes["rows"] == 2 and "| orders-0 | 1 | CLOSED | 5 |" in sizes["preview"]
+    assert (warehouse_root / "ledger_sizes" / "_delta_log").is_dir()
+
+
+def test_ingest_without_paths_fails_with_instructions(dagster_resources):
+    result = materialize(
+        ALL_ASSETS,
+        selection=AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES),
+        resources=dagster_resources,
+        raise_on_error=False,
+    )
+    assert not result.success
+    [failure] = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "set config `paths`" in str(failure.event_specific_data.error)

@@ -1,0 +1,207 @@
+"""Ingest on real Spark and Delta: formats, every validation rule, idempotence, quarantine."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.rows import entry, write_csv, write_jsonl
+from txn_engine.errors import InputFileError
+from txn_engine.ingest import ingest_files
+from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS, QUARANTINE_ENTRIES
+
+GOOD = [
+    entry("orders-0", 3, 0, producer=1, seq=0, key="k0", payload=b"hello"),
+    entry("orders-0", 3, 1, txn=(0, 7), producer=2, seq=0, payload=b"\x00\xffbin"),
+    entry("orders-0", 3, 2, "COMMIT", txn=(0, 7), producer=2),
+    entry("orders-0", 5, 0, payload=None),
+    entry("payments-1", 4, 0, txn=(1, 9), producer=3, seq=5),
+    entry("payments-1", 4, 1, "ABORT", txn=(1, 9), producer=3),
+]
+
+
+def stored(warehouse, table=LEDGER_ENTRIES):
+    return sorted(tuple(r) for r in warehouse.read(table).select(*LEDGER_ENTRY_COLUMNS).collect())
+
+
+def quarantine(warehouse):
+    return warehouse.read(QUARANTINE_ENTRIES).orderBy("source_file", "line").collect()
+
+
+def test_jsonl_rows_land_typed(warehouse, tmp_path):
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", GOOD))])
+    assert (summary.rows_read, summary.rows_written, summary.rows_quarantined) == (6, 6, 0)
+    rows = {(r.topic, r.ledger_id, r.entry_id): r for r in warehouse.read(LEDGER_ENTRIES).collect()}
+    first = rows[("orders-0", 3, 0)]
+    assert first.payload == bytearray(b"hello") and first.key == "k0" and first.producer_epoch == 0
+    assert first.publish_time == dt.datetime(2026, 1, 1, 0, 0)
+    assert rows[("orders-0", 3, 1)].payload == bytearray(b"\x00\xffbin")
+    commit = rows[("orders-0", 3, 2)]
+    assert (commit.entry_type, commit.txn_most_bits, commit.txn_least_bits, commit.payload) == ("COMMIT", 0, 7, None)
+    assert rows[("orders-0", 5, 0)].txn_most_bits is None
+    assert not warehouse.exists(QUARANTINE_ENTRIES)
+
+
+def test_csv_and_parquet_give_the_same_table_as_jsonl(spark, tmp_path, warehouse):
+    from txn_engine.settings import WarehouseSettings
+    from txn_engine.warehouse import Warehouse
+
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", GOOD))])
+    expected = stored(warehouse)
+
+    csv_wh = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path / "csv")))
+    summary = ingest_files(csv_wh, [str(write_csv(tmp_path / "a.csv", GOOD))])
+    assert summary.rows_written == 6 and summary.rows_quarantined == 0
+    assert stored(csv_wh) == expected
+
+    table = pa.table(
+        {
+            "topic": [r["topic"] for r in GOOD],
+            "ledger_id": pa.array([r["ledger_id"] for r in GOOD], pa.int64()),
+            "entry_id": pa.array([r["entry_id"] for r in GOOD], pa.int64()),
+            "entry_type": [r["entry_type"] for r in GOOD],
+            "txn_most_bits": pa.array([r["txn_most_bits"] for r in GOOD], pa.int64()),
+            "txn_least_bits": pa.array([r["txn_least_bits"] for r in GOOD], pa.int64()),
+            "producer_id": pa.array([r["producer_id"] for r in GOOD], pa.int64()),
+            "producer_epoch": pa.array([r["producer_epoch"] for r in GOOD], pa.int32()),
+            "sequence_id": pa.array([r["sequence_id"] for r in GOOD], pa.int64()),
+            "publish_time": pa.array([dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)] * len(GOOD), pa.timestamp("us", "UTC")),
+            "key": [r["key"] for r in GOOD],
+            "payload": pa.array([None if r["payload"] is None else base64.b64decode(r["payload"]) for r in GOOD], pa.binary()),
+        }
+    )
+    pq.write_table(table, tmp_path / "a.parquet")
+    pq_wh = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path / "pq")))
+    summary = ingest_files(pq_wh, [str(tmp_path / "a.parquet")])
+    assert summary.rows_written == 6 and summary.rows_quarantined == 0
+    assert stored(pq_wh) == expected
+
+
+BAD_ROWS = [
+    ({"entry_type": "DATTA"}, "entry_type", "entry_type must be one of DATA, COMMIT, ABORT, got 'DATTA'"),
+    ({"entry_type": None}, "entry_type", "got nothing"),
+    ({"txn_most_bits": 1, "txn_least_bits": None}, "txn_id_pair", "must both be set or both be null"),
+    ({"entry_type": "COMMIT"}, "marker_without_txn", "must carry a transaction id"),
+    ({"ledger_id": -1}, "negative_id", "ledger_id must not be negative, got -1"),
+    ({"sequence_id": -5, "producer_id": 1}, "negative_id", "sequence_id must not be negative"),
+    ({"entry_id": "seven"}, "type", "entry_id is not an integer: 'seven'"),
+    ({"ledger_id": 1.5}, "type", "ledger_id is not an integer"),
+    ({"producer_epoch": 2**40}, "type", "producer_epoch is not a 32-bit integer"),
+    ({"publish_time": "yesterday"}, "type", "publish_time is not an ISO-8601 timestamp"),
+    ({"payload": "not base64!"}, "type", "payload is not base64"),
+    ({"topic": ""}, "missing", "topic is missing or empty"),
+    ({"entry_id": None}, "missing", "entry_id is missing"),
+]
+
+
+def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
+    # One ingest holds one bad row per rule (line i + 2), so the whole table is checked at once.
+    bad_rows = [{**entry("t", 1, i + 1), **change} for i, (change, _, _) in enumerate(BAD_ROWS)]
+    path = write_jsonl(tmp_path / "in.jsonl", [entry("t", 1, 0)] + bad_rows)
+    summary = ingest_files(warehouse, [str(path)])
+    assert (summary.rows_written, summary.rows_quarantined) == (1, len(BAD_ROWS))
+    by_line = {row.line: row for row in quarantine(warehouse)}
+    assert sorted(by_line) == list(range(2, len(BAD_ROWS) + 2))
+    for i, (change, rule, message) in enumerate(BAD_ROWS):
+        row = by_line[i + 2]
+        assert row.rule == rule and message in row.reason, (change, row.rule, row.reason)
+        assert row.source_file.endswith("in.jsonl") and json.loads(row.raw) == bad_rows[i]
+    assert summary.quarantine_by_rule == {r: sum(1 for _, x, _ in BAD_ROWS if x == r) for _, r, _ in BAD_ROWS}
+    assert stored(warehouse) == [("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x"))]
+
+
+def test_malformed_lines_and_line_numbers_across_file_blocks(spark, warehouse, tmp_path):
+    rows: list = [entry("t", 1, i) for i in range(3000)]
+    rows[1499] = "{not json"
+    rows[2999] = "[1, 2]"
+    rows.insert(10, "")  # blank lines are skipped but still counted as lines
+    path = write_jsonl(tmp_path / "big.jsonl", rows)
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "16384")  # force many blocks
+    try:
+        summary = ingest_files(warehouse, [str(path)])
+    finally:
+        spark.conf.unset("spark.sql.files.maxPartitionBytes")
+    assert summary.rows_written == 2998 and summary.rows_quarantined == 2
+    assert [(r.line, r.rule, r.reason) for r in quarantine(warehouse)] == [
+        (1501, "malformed_line", "not a JSON object on one line"),
+        (3001, "malformed_line", "not a JSON object on one line"),
+    ]
+
+
+def test_csv_line_numbers_and_bad_field_count(warehouse, tmp_path):
+    path = write_csv(tmp_path / "in.csv", [entry("t", 1, 0), entry("t", 1, 1, "ABORT", txn=(0, 1))])
+    with open(path, "a") as f:
+        f.write("t,1,2,DATA\n")
+    summary = ingest_files(warehouse, [str(path)])
+    assert summary.rows_written == 2
+    [row] = quarantine(warehouse)
+    assert (row.line, row.rule) == (4, "malformed_line") and "expected 12 fields" in row.reason
+
+
+def test_reingest_is_idempotent(warehouse, tmp_path):
+    path = str(write_jsonl(tmp_path / "a.jsonl", GOOD + [{**entry("t", 1, 0), "entry_type": "BAD"}]))
+    ingest_files(warehouse, [path])
+    version = warehouse.version(LEDGER_ENTRIES)
+    before, quarantined = stored(warehouse), len(quarantine(warehouse))
+    again = ingest_files(warehouse, [path])
+    assert (again.rows_written, again.rows_already_present, again.rows_quarantined) == (0, 6, 1)
+    assert stored(warehouse) == before
+    assert warehouse.version(LEDGER_ENTRIES) == version  # nothing committed
+    assert len(quarantine(warehouse)) == quarantined  # quarantine is idempotent too
+
+
+def test_different_row_at_stored_position_is_quarantined_never_overwrites(warehouse, tmp_path):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", GOOD))])
+    before = stored(warehouse)
+    changed = {**GOOD[0], "key": "changed"}
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [changed, entry("orders-0", 5, 1)]))])
+    assert (summary.rows_written, summary.rows_quarantined) == (1, 1)
+    [row] = quarantine(warehouse)
+    assert row.rule == "position_conflict"
+    assert "position orders-0 3:0 already holds a different entry" in row.reason
+    assert len(stored(warehouse)) == len(before) + 1 and set(before) <= set(stored(warehouse))
+
+
+def test_repeats_inside_one_input(warehouse, tmp_path):
+    first = entry("t", 1, 0, key="a")
+    path = write_jsonl(tmp_path / "a.jsonl", [first, first, {**first, "key": "b"}])
+    summary = ingest_files(warehouse, [str(path)])
+    assert (summary.rows_written, summary.rows_repeated_in_input, summary.rows_quarantined) == (1, 1, 1)
+    [row] = quarantine(warehouse)
+    assert row.rule == "position_repeated_in_input" and row.line == 3
+    assert "appears earlier in the input with different content" in row.reason and "a.jsonl:1" in row.reason
+    assert stored(warehouse)[0][10] == "a"
+
+
+def test_several_files_and_a_folder(warehouse, tmp_path):
+    folder = tmp_path / "in"
+    folder.mkdir()
+    write_jsonl(folder / "one.jsonl", GOOD[:3])
+    write_csv(folder / "two.csv", GOOD[3:])
+    (folder / "notes.txt").write_text("ignored")
+    summary = ingest_files(warehouse, [str(folder)])
+    assert len(summary.files) == 2 and summary.rows_written == 6
+
+
+@pytest.mark.parametrize(
+    "make_path,message",
+    [
+        (lambda p: p / "missing.jsonl", "does not exist"),
+        (lambda p: (p / "data.txt").write_text("x") and p / "data.txt", "unknown format"),
+        (lambda p: (p / "broken.parquet").write_bytes(b"not parquet at all") and p / "broken.parquet", "cannot read"),
+        (lambda p: (p / "h.csv").write_text("topic,ledger_id\nt,1\n") and p / "h.csv", "no column(s) entry_id, entry_type"),
+    ],
+    ids=["missing", "unknown-format", "unreadable-parquet", "csv-missing-columns"],
+)
+def test_file_level_errors_write_nothing(warehouse, tmp_path, make_path, message):
+    good = write_jsonl(tmp_path / "good.jsonl", GOOD)
+    bad = make_path(tmp_path)
+    with pytest.raises(InputFileError, match="(?s)" + message.replace("(", r"\(").replace(")", r"\)") + ".*[Nn]othing"):
+        ingest_files(warehouse, [str(good), str(bad)])
+    assert not warehouse.exists(LEDGER_ENTRIES)
+    assert not warehouse.exists(QUARANTINE_ENTRIES)

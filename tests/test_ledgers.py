@@ -1,0 +1,43 @@
+"""The ledger catalog derived from ledger_entries."""
+
+from __future__ import annotations
+
+from pyspark.sql import Row
+
+from tests.rows import entry
+from txn_engine.ledgers import derive_ledger_catalog
+from txn_engine.schema import LEDGER_ENTRIES_SCHEMA
+
+
+def entries_df(spark, rows):
+    import base64
+    import datetime as dt
+
+    def typed(r):
+        return Row(**{**r, "publish_time": dt.datetime(2026, 1, 1, 0, 0, r["entry_id"]),
+                      "payload": None if r["payload"] is None else base64.b64decode(r["payload"])})
+
+    return spark.createDataFrame([typed(r) for r in rows], LEDGER_ENTRIES_SCHEMA)
+
+
+def test_catalog_counts_bytes_and_states(spark):
+    rows = [entry("a", 1, i, payload=b"12345", key="kk") for i in range(3)]
+    rows += [entry("a", 1, 3, "COMMIT", txn=(0, 1))]
+    rows += [entry("a", 7, i, payload=b"1") for i in range(2)]
+    rows += [entry("b", 4, 0, payload=b"xyz")]
+    catalog = {(r.topic, r.ledger_id): r for r in derive_ledger_catalog(entries_df(spark, rows)).collect()}
+    assert set(catalog) == {("a", 1), ("a", 7), ("b", 4)}
+    first = catalog[("a", 1)]
+    assert (first.state, first.first_entry_id, first.last_entry_id, first.entry_count, first.size_bytes) == (
+        "CLOSED", 0, 3, 4, 3 * (5 + 2),
+    )
+    assert first.last_publish_time.second == 3
+    assert catalog[("a", 7)].state == "OPEN"  # the last ledger of a topic is still being written
+    assert catalog[("b", 4)].state == "OPEN" and catalog[("b", 4)].size_bytes == 3
+
+
+def test_known_states_override_the_derived_ones(spark):
+    rows = [entry("a", 1, 0), entry("a", 2, 0), entry("a", 3, 0)]
+    known = spark.createDataFrame([("a", 1, "OFFLOADED"), ("a", 3, "CLOSED")], "topic string, ledger_id long, state string")
+    states = {r.ledger_id: r.state for r in derive_ledger_catalog(entries_df(spark, rows), known).collect()}
+    assert states == {1: "OFFLOADED", 2: "CLOSED", 3: "CLOSED"}

@@ -1,0 +1,87 @@
+"""Warehouse settings, Spark configuration and the Delta jar check (no Spark started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from resources.delta_jars import require_delta_jars
+from resources.spark import DEFAULT_SPARK_CONF, conf_from_environment, effective_conf
+from resources.warehouse import WarehouseResource
+from txn_engine.errors import ConfigurationError, DeltaJarsMissingError
+from txn_engine.settings import WarehouseSettings
+
+
+def test_default_root_is_warehouse_under_cwd(monkeypatch, tmp_path):
+    monkeypatch.delenv("TXNLAKE_WAREHOUSE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    settings = WarehouseSettings()
+    assert settings.root == str(tmp_path / "warehouse")
+    assert settings.table_path("ledger_entries") == str(tmp_path / "warehouse" / "ledger_entries")
+    assert settings.cold_table_path("offloaded_entries") == str(tmp_path / "warehouse" / "cold" / "offloaded_entries")
+    assert settings.lock_path("ledgers") == tmp_path / "warehouse" / "_locks" / "ledgers.lock"
+
+
+def test_environment_overrides_root_and_cold_tier(monkeypatch, tmp_path):
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", str(tmp_path / "wh"))
+    monkeypatch.setenv("TXNLAKE_COLD_TIER", "s3a://cold-bucket/tier/")
+    settings = WarehouseSettings()
+    assert settings.table_path("ledgers") == str(tmp_path / "wh" / "ledgers")
+    assert settings.cold_table_path("offloaded_entries") == "s3a://cold-bucket/tier/offloaded_entries"
+
+
+@pytest.mark.parametrize(
+    "root,table_path,local",
+    [
+        ("s3a://bucket/lake/", "s3a://bucket/lake/ledgers", False),
+        ("file:///data/lake", "file:///data/lake/ledgers", True),
+        ("abfss://c@acct.dfs.core.windows.net/lake", "abfss://c@acct.dfs.core.windows.net/lake/ledgers", False),
+    ],
+)
+def test_any_uri_spark_can_write(root, table_path, local):
+    settings = WarehouseSettings(warehouse=root)
+    assert settings.table_path("ledgers") == table_path
+    assert settings.is_local() is local
+    if not local:  # a lock on this machine cannot live in a bucket
+        assert settings.lock_path("ledgers") == Path.home() / ".cache" / "txnlake" / "locks" / "ledgers.lock"
+
+
+def test_empty_root_is_a_clear_error():
+    with pytest.raises(ValueError, match="warehouse root is empty"):
+        WarehouseSettings(warehouse="  ")
+
+
+def test_dagster_resource_config_wins_over_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", str(tmp_path / "env"))
+    assert WarehouseResource().settings().root == str(tmp_path / "env")
+    assert WarehouseResource(root=str(tmp_path / "cfg")).settings().root == str(tmp_path / "cfg")
+
+
+def test_spark_conf_layers(monkeypatch):
+    monkeypatch.setenv("TXNLAKE_SPARK_MASTER", "spark://cluster:7077")
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.executor.memory=16g, spark.sql.shuffle.partitions=64")
+    conf = effective_conf(conf={"spark.sql.shuffle.partitions": "32"})
+    assert conf["spark.master"] == "spark://cluster:7077"
+    assert conf["spark.executor.memory"] == "16g"
+    assert conf["spark.sql.shuffle.partitions"] == "32"  # explicit config beats the environment
+    assert conf["spark.sql.extensions"] == DEFAULT_SPARK_CONF["spark.sql.extensions"]
+    assert "delta-spark_4.2_2.13-4.4.0.jar" in conf["spark.jars"]
+    assert effective_conf(master="local[1]")["spark.master"] == "local[1]"
+
+
+def test_bad_spark_conf_in_environment(monkeypatch):
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.driver.memory")
+    with pytest.raises(ConfigurationError, match="is not key=value"):
+        conf_from_environment()
+
+
+def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):
+    monkeypatch.setenv("TXNLAKE_JAR_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(DeltaJarsMissingError, match="Run `make setup`"):
+        require_delta_jars()
+    with pytest.raises(DeltaJarsMissingError, match="delta-spark_4.2_2.13-4.4.0.jar"):
+        effective_conf()
+    # A cluster that brings its own Delta does not need the cache.
+    conf = effective_conf(conf={"spark.jars.packages": "io.delta:delta-spark_4.2_2.13:4.4.0"})
+    assert "spark.jars" not in conf or "delta" not in conf["spark.jars"]

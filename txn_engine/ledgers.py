@@ -1,0 +1,41 @@
+"""The ledger catalog (`ledgers`), derived from `ledger_entries`."""
+
+from __future__ import annotations
+
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from txn_engine.schema import LEDGERS_SCHEMA
+
+
+def entry_size_bytes() -> F.Column:
+    """Bytes an entry occupies, as txnlake counts them: payload plus key (markers have neither)."""
+    return F.coalesce(F.octet_length("payload"), F.lit(0)) + F.coalesce(F.octet_length("key"), F.lit(0))
+
+
+def derive_ledger_catalog(entries: DataFrame, known_states: DataFrame | None = None) -> DataFrame:
+    """One row per (topic, ledger_id) with entry range, count, bytes and state. Pure.
+
+    Without other information the last ledger of a topic is OPEN (still being written) and the
+    others CLOSED. `known_states` (topic, ledger_id, state), when given, overrides that: later
+    stages record OFFLOADED and DELETED there.
+    """
+    per_ledger = entries.groupBy("topic", "ledger_id").agg(
+        F.min("entry_id").alias("first_entry_id"),
+        F.max("entry_id").alias("last_entry_id"),
+        F.count("*").alias("entry_count"),
+        F.sum(entry_size_bytes()).cast("long").alias("size_bytes"),
+        F.min("publish_time").alias("first_publish_time"),
+        F.max("publish_time").alias("last_publish_time"),
+    )
+    newest_first = Window.partitionBy("topic").orderBy(F.col("ledger_id").desc())
+    derived_state = F.when(F.row_number().over(newest_first) == 1, F.lit("OPEN")).otherwise(F.lit("CLOSED"))
+    catalog = per_ledger.withColumn("state", derived_state)
+    if known_states is not None:
+        known = known_states.select("topic", "ledger_id", F.col("state").alias("_known_state"))
+        catalog = catalog.join(known, ["topic", "ledger_id"], "left").withColumn(
+            "state", F.coalesce("_known_state", "state")
+        )
+    return catalog.withColumn("updated_at", F.current_timestamp()).select(
+        *[F.col(f.name).cast(f.dataType) for f in LEDGERS_SCHEMA.fields]
+    )

@@ -1,0 +1,127 @@
+"""The table contract of the brief: table names and Spark schemas, defined once.
+
+Downstream SQL depends on these column names and meanings; add columns, never rename them.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+# Table names: one folder per table under the warehouse root.
+LEDGER_ENTRIES = "ledger_entries"
+QUARANTINE_ENTRIES = "quarantine_entries"
+LEDGERS = "ledgers"
+TXN_MARKERS = "txn_markers"
+STABLE_POSITIONS = "stable_positions"
+ABORTED_TXNS = "aborted_txns"
+COMMITTED_ENTRIES = "committed_entries"
+TXN_SNAPSHOT_SEGMENTS = "txn_snapshot_segments"
+RECOVERED_BUFFER_STATE = "recovered_buffer_state"
+OFFLOADED_ENTRIES = "offloaded_entries"
+OFFLOAD_MANIFEST = "offload_manifest"
+TXN_LOG = "txn_log"
+CONSUMER_OFFSETS = "consumer_offsets"
+
+ENTRY_TYPES = ("DATA", "COMMIT", "ABORT")
+MARKER_TYPES = ("COMMIT", "ABORT")
+LEDGER_STATES = ("OPEN", "CLOSED", "OFFLOADED", "DELETED")
+
+LEDGER_ENTRIES_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("entry_id", LongType(), False),
+        StructField("entry_type", StringType(), False),
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("producer_id", LongType(), True),
+        StructField("producer_epoch", IntegerType(), True),
+        StructField("sequence_id", LongType(), True),
+        StructField("publish_time", TimestampType(), True),
+        StructField("key", StringType(), True),
+        StructField("payload", BinaryType(), True),
+    ]
+)
+LEDGER_ENTRY_COLUMNS = tuple(f.name for f in LEDGER_ENTRIES_SCHEMA.fields)
+POSITION_COLUMNS = ("topic", "ledger_id", "entry_id")
+
+QUARANTINE_ENTRIES_SCHEMA = StructType(
+    [
+        StructField("source_file", StringType(), False),
+        StructField("line", LongType(), False),
+        StructField("rule", StringType(), False),
+        StructField("reason", StringType(), False),
+        StructField("raw", StringType(), True),
+        StructField("topic", StringType(), True),
+        StructField("ledger_id", LongType(), True),
+        StructField("entry_id", LongType(), True),
+        StructField("ingest_id", StringType(), False),
+        StructField("quarantined_at", TimestampType(), False),
+    ]
+)
+
+LEDGERS_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("state", StringType(), False),
+        StructField("first_entry_id", LongType(), False),
+        StructField("last_entry_id", LongType(), False),
+        StructField("entry_count", LongType(), False),
+        StructField("size_bytes", LongType(), False),
+        StructField("first_publish_time", TimestampType(), True),
+        StructField("last_publish_time", TimestampType(), True),
+        StructField("updated_at", TimestampType(), False),
+    ]
+)
+
+TXN_MARKERS_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("txn_most_bits", LongType(), False),
+        StructField("txn_least_bits", LongType(), False),
+        StructField("outcome", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("entry_id", LongType(), False),
+    ]
+)
+
+STABLE_POSITIONS_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("max_read_ledger_id", LongType(), False),
+        StructField("max_read_entry_id", LongType(), False),
+        StructField("last_ledger_id", LongType(), False),
+        StructField("last_entry_id", LongType(), False),
+        StructField("ongoing_txn_count", LongType(), False),
+    ]
+)
+
+ABORTED_TXNS_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("txn_most_bits", LongType(), False),
+        StructField("txn_least_bits", LongType(), False),
+        StructField("abort_ledger_id", LongType(), False),
+        StructField("abort_entry_id", LongType(), False),
+    ]
+)
+
+COMMITTED_ENTRIES_SCHEMA = StructType(
+    list(LEDGER_ENTRIES_SCHEMA.fields)
+    + [
+        StructField("visible_ledger_id", LongType(), False),
+        StructField("visible_entry_id", LongType(), False),
+        StructField("local_seq", LongType(), False),
+        StructField("in_stable_prefix", BooleanType(), False),
+    ]
+)

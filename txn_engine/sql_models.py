@@ -1,0 +1,86 @@
+"""dbt-free SQL models: every `dbt-free-sql/*.sql` file is a query over the warehouse's tables.
+
+A model's upstream tables are found from its SQL (sqlglot's Spark parser: every table it reads,
+minus its own CTEs), never listed by hand. Running a model registers each table it reads as a
+temporary view of the Delta table, runs the query with Spark SQL, and (for the asset) writes the
+result as a Delta table named after the file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import sqlglot
+from sqlglot import exp
+from pyspark.sql import DataFrame
+
+from txn_engine.errors import InputFileError, TableMissingError
+from txn_engine.warehouse import Warehouse
+
+DEFAULT_SQL_DIR = Path(__file__).resolve().parent.parent / "dbt-free-sql"
+
+
+def sql_dir() -> Path:
+    """The models' folder: TXNLAKE_SQL_DIR, else the repository's `dbt-free-sql/`."""
+    return Path(os.environ.get("TXNLAKE_SQL_DIR", DEFAULT_SQL_DIR))
+
+
+@dataclass(frozen=True)
+class SqlModel:
+    name: str
+    path: Path
+    sql: str
+    reads: tuple[str, ...]
+    description: str
+
+
+def referenced_tables(sql: str) -> tuple[str, ...]:
+    """The tables a query reads, sorted; CTE names are not tables."""
+    try:
+        statements = sqlglot.parse(sql, read="spark")
+    except sqlglot.errors.ParseError as exc:
+        raise InputFileError(f"cannot parse the SQL: {str(exc).splitlines()[0]}") from None
+    tables: set[str] = set()
+    for statement in statements:
+        if statement is None:
+            continue
+        ctes = {cte.alias_or_name for cte in statement.find_all(exp.CTE)}
+        for table in statement.find_all(exp.Table):
+            if table.name and table.name not in ctes:
+                tables.add(table.name)
+    return tuple(sorted(tables))
+
+
+def load_model(path: Path) -> SqlModel:
+    path = Path(path)
+    if not path.is_file():
+        raise InputFileError(f"SQL model {path} does not exist")
+    sql = path.read_text()
+    comments = [line[2:].strip() for line in sql.splitlines() if line.startswith("--")]
+    return SqlModel(
+        name=path.stem,
+        path=path,
+        sql=sql.strip().rstrip(";"),
+        reads=referenced_tables(sql),
+        description=" ".join(comments) or f"SQL model {path.name}",
+    )
+
+
+def discover_models(folder: Path | None = None) -> list[SqlModel]:
+    folder = folder or sql_dir()
+    return [load_model(p) for p in sorted(Path(folder).glob("*.sql"))]
+
+
+def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
+    """The model's result as a DataFrame over the current Delta tables."""
+    for table in model.reads:
+        location = warehouse.path(table)
+        if not warehouse.exists(table, location):
+            raise TableMissingError(
+                f"SQL model {model.name} reads table {table}, which does not exist yet at "
+                f"{location}; materialize {table} first (`txnlake run`)."
+            )
+        warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
+    return warehouse.spark.sql(model.sql)

@@ -1,0 +1,121 @@
+"""Reading and writing the warehouse's Delta tables, with one writer per table at a time."""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+from delta.exceptions import (
+    ConcurrentAppendException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentDeleteReadException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    MetadataChangedException,
+    ProtocolChangedException,
+)
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.types import StructType
+
+from txn_engine.errors import TableMissingError, TxnlakeError
+from txn_engine.locks import table_lock
+from txn_engine.settings import WarehouseSettings
+
+log = logging.getLogger(__name__)
+
+# Delta's conflict exceptions share no Python base class, so they are named one by one. They
+# still happen under our lock when a writer that does not take it (another cluster, a
+# notebook) commits to the same table.
+DELTA_CONFLICTS = (
+    ConcurrentAppendException,
+    ConcurrentDeleteReadException,
+    ConcurrentDeleteDeleteException,
+    ConcurrentTransactionException,
+    ConcurrentWriteException,
+    MetadataChangedException,
+    ProtocolChangedException,
+)
+
+T = TypeVar("T")
+
+
+class Warehouse:
+    """The Delta tables under one warehouse root, read and written through one SparkSession."""
+
+    def __init__(self, spark: SparkSession, settings: WarehouseSettings | None = None):
+        self.spark = spark
+        self.settings = settings or WarehouseSettings()
+
+    def path(self, table: str) -> str:
+        return self.settings.table_path(table)
+
+    def exists(self, table: str, path: str | None = None) -> bool:
+        return DeltaTable.isDeltaTable(self.spark, path or self.path(table))
+
+    def read(self, table: str, path: str | None = None) -> DataFrame:
+        location = path or self.path(table)
+        if not self.exists(table, location):
+            raise TableMissingError(
+                f"table {table} does not exist yet at {location}. Ingest ledgers first "
+                f"(`txnlake ingest FILE`) or materialize the asset {table}."
+            )
+        return self.spark.read.format("delta").load(location)
+
+    def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
+        location = path or self.path(table)
+        if self.exists(table, location):
+            return self.spark.read.format("delta").load(location)
+        return self.spark.createDataFrame([], schema)
+
+    def version(self, table: str, path: str | None = None) -> int | None:
+        location = path or self.path(table)
+        if not self.exists(table, location):
+            return None
+        return DeltaTable.forPath(self.spark, location).history(1).collect()[0]["version"]
+
+    @contextmanager
+    def writer(self, table: str) -> Iterator[None]:
+        """Exclusive right to write `table`, across processes: hold it from read to commit."""
+        with table_lock(self.settings.lock_path(table)):
+            yield
+
+    def append(self, table: str, df: DataFrame, path: str | None = None) -> None:
+        location = path or self.path(table)
+        with self.writer(table):
+            retry_delta_conflicts(lambda: df.write.format("delta").mode("append").save(location))
+
+    def overwrite(
+        self,
+        table: str,
+        df: DataFrame,
+        replace_where: str | None = None,
+        path: str | None = None,
+    ) -> None:
+        """Replace the table (or only the rows matching `replace_where`) in one Delta commit."""
+        location = path or self.path(table)
+        with self.writer(table):
+            writer = df.write.format("delta").mode("overwrite")
+            if replace_where is not None and self.exists(table, location):
+                writer = writer.option("replaceWhere", replace_where)
+            else:
+                writer = writer.option("overwriteSchema", "true")
+            retry_delta_conflicts(lambda: writer.save(location))
+
+
+def retry_delta_conflicts(action: Callable[[], T], attempts: int = 5) -> T:
+    """Run a Delta commit, retrying Delta's optimistic-concurrency conflicts with backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return action()
+        except DELTA_CONFLICTS as exc:
+            if attempt == attempts:
+                raise TxnlakeError(
+                    f"gave up after {attempts} Delta commit conflicts ({type(exc).__name__}); "
+                    "another writer keeps changing this table. Retry when it is done."
+                ) from exc
+            log.warning("Delta commit conflict (%s), retry %d", type(exc).__name__, attempt)
+            time.sleep(0.2 * attempt)
+    raise AssertionError("unreachable")
