@@ -46,4 +46,8 @@ def dagster_resources(spark, warehouse_root: Path):
 
 
 def pytest_configure(config):
+    import tempfile
+
     os.environ.setdefault("TXNLAKE_SPARK_LOG_LEVEL", "ERROR")
+    # Runs made by the tests go to a throwaway Dagster instance, not the repository's.
+    os.environ["DAGSTER_HOME"] = tempfile.mkdtemp(prefix="txnlake-dagster-home-")
