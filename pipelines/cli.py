@@ -15,19 +15,23 @@ def _instance():
     from dagster import DagsterInstance
 
     # With DAGSTER_HOME (as `make run` sets it) the runs show up in `dagster dev`.
-    return DagsterInstance.get() if os.environ.get("DAGSTER_HOME") else DagsterInstance.ephemeral()
+    home = os.environ.get("DAGSTER_HOME")
+    if not home:
+        return DagsterInstance.ephemeral()
+    os.makedirs(home, exist_ok=True)
+    return DagsterInstance.get()
 
 
 def _materialize(selection, run_config: dict | None = None):
     """Materialize assets in this process (one SparkSession), unwrapping user errors."""
     from dagster import DagsterExecutionStepExecutionError, materialize
 
-    from pipelines.definitions import ALL_ASSETS, RESOURCES
+    from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, RESOURCES
 
     config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}, **(run_config or {})}
     try:
         return materialize(
-            ALL_ASSETS, selection=selection, resources=RESOURCES, run_config=config, instance=_instance()
+            [*ALL_ASSETS, *ALL_CHECKS], selection=selection, resources=RESOURCES, run_config=config, instance=_instance()
         )
     except DagsterExecutionStepExecutionError as exc:
         cause = exc.user_exception or exc.__cause__

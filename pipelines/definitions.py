@@ -13,11 +13,13 @@ from dagster import AssetSelection, Definitions, define_asset_job, in_process_ex
 
 from assets.ledger import ingest_ledger_entries, ledgers
 from assets.sql_models import sql_model_assets
+from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
-ALL_ASSETS = [ingest_ledger_entries, ledgers, *sql_model_assets()]
+ALL_ASSETS = [ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets()]
+ALL_CHECKS = [*BUFFER_CHECKS]
 
 # Everything derived from what the warehouse already holds; ingest adds data and is not in it.
 DERIVED_SELECTION = AssetSelection.all() - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES)
@@ -37,6 +39,7 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource()}
 
 defs = Definitions(
     assets=ALL_ASSETS,
+    asset_checks=ALL_CHECKS,
     jobs=[derive_all_job, ingest_job],
     resources=RESOURCES,
     executor=in_process_executor,
