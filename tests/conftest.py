@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-# Sized for the suite on 2 cores: small shuffles, a modest heap.
+# Sized for the suite on 2 cores: small shuffles, a modest heap (TXNLAKE_TEST_DRIVER_MEMORY
+# lowers it when several suites share the machine).
 TEST_SPARK_CONF = {
-    "spark.driver.memory": "4g",
+    "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.sql.shuffle.partitions": "4",
     "spark.app.name": "txnlake-tests",
 }

@@ -41,3 +41,28 @@ def test_known_states_override_the_derived_ones(spark):
     known = spark.createDataFrame([("a", 1, "OFFLOADED"), ("a", 3, "CLOSED")], "topic string, ledger_id long, state string")
     states = {r.ledger_id: r.state for r in derive_ledger_catalog(entries_df(spark, rows), known).collect()}
     assert states == {1: "OFFLOADED", 2: "CLOSED", 3: "CLOSED"}
+
+
+def test_recorded_states_latest_wins_and_reach_the_catalog(warehouse, spark):
+    from txn_engine.ledgers import record_ledger_states, recorded_ledger_states
+
+    rows = [entry("a", 1, 0), entry("a", 2, 0)]
+    assert recorded_ledger_states(warehouse).count() == 0  # no table yet: no recorded state
+    record_ledger_states(warehouse, [("a", 2, "CLOSED", "rolled over")])
+    record_ledger_states(warehouse, [("a", 1, "CLOSED", None)])
+    record_ledger_states(warehouse, [("a", 1, "OFFLOADED", "offloaded to cold tier")])
+    recorded = {(r.topic, r.ledger_id): r.state for r in recorded_ledger_states(warehouse).collect()}
+    assert recorded == {("a", 1): "OFFLOADED", ("a", 2): "CLOSED"}
+    catalog = derive_ledger_catalog(entries_df(spark, rows), recorded_ledger_states(warehouse))
+    assert {r.ledger_id: r.state for r in catalog.collect()} == {1: "OFFLOADED", 2: "CLOSED"}
+
+
+def test_recording_an_unknown_state_is_refused_and_writes_nothing(warehouse):
+    import pytest
+
+    from txn_engine.ledgers import record_ledger_states
+    from txn_engine.schema import LEDGER_STATES_LOG
+
+    with pytest.raises(ValueError, match="unknown state 'GONE'; use one of OPEN, CLOSED, OFFLOADED, DELETED"):
+        record_ledger_states(warehouse, [("a", 1, "CLOSED", None), ("a", 2, "GONE", None)])
+    assert not warehouse.exists(LEDGER_STATES_LOG)

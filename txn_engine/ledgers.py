@@ -5,7 +5,8 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from txn_engine.schema import LEDGERS_SCHEMA
+from txn_engine.schema import LEDGER_STATES, LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, LEDGERS_SCHEMA
+from txn_engine.warehouse import Warehouse
 
 
 def entry_size_bytes() -> F.Column:
@@ -39,3 +40,23 @@ def derive_ledger_catalog(entries: DataFrame, known_states: DataFrame | None = N
     return catalog.withColumn("updated_at", F.current_timestamp()).select(
         *[F.col(f.name).cast(f.dataType) for f in LEDGERS_SCHEMA.fields]
     )
+
+
+def record_ledger_states(warehouse: Warehouse, transitions: list[tuple[str, int, str, str | None]]) -> None:
+    """Append `(topic, ledger_id, state, reason)` transitions to `ledger_states`, in one commit."""
+    for topic, ledger_id, state, _ in transitions:
+        if state not in LEDGER_STATES:
+            raise ValueError(f"ledger {topic}/{ledger_id}: unknown state {state!r}; use one of {', '.join(LEDGER_STATES)}")
+    if not transitions:
+        return
+    rows = warehouse.spark.createDataFrame(
+        [(t, int(l), s, r) for t, l, s, r in transitions], "topic string, ledger_id long, state string, reason string"
+    ).withColumn("recorded_at", F.current_timestamp())
+    warehouse.append(LEDGER_STATES_LOG, rows.select(*[F.col(f.name).cast(f.dataType) for f in LEDGER_STATES_SCHEMA.fields]))
+
+
+def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
+    """The latest recorded state of each ledger that has one: (topic, ledger_id, state)."""
+    log = warehouse.read_or_empty(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA)
+    latest = Window.partitionBy("topic", "ledger_id").orderBy(F.col("recorded_at").desc())
+    return log.withColumn("_n", F.row_number().over(latest)).filter("_n = 1").select("topic", "ledger_id", "state")

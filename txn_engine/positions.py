@@ -52,3 +52,23 @@ def previous_ledger_last_entries(ledger_last_entries: Sequence[Position]) -> dic
         result[last.ledger_id] = previous
         previous = last
     return result
+
+
+# Dagster partitions are ledgers. Ledger ids are BookKeeper's: unique across topics and
+# increasing in creation time, so a zero-padded id sorts as the ledgers were created and a
+# partition range is a ledger range. (Should two topics share an id, the partition covers both.)
+LEDGER_KEY_DIGITS = 19  # BIGINT's widest positive value
+
+
+def ledger_partition_key(ledger_id: int) -> str:
+    """The Dagster partition key of a ledger: its id, zero-padded so keys sort like ids."""
+    if ledger_id < 0:
+        raise ValueError(f"ledger ids are not negative, got {ledger_id}")
+    return f"{ledger_id:0{LEDGER_KEY_DIGITS}d}"
+
+
+def ledger_id_of_partition(key: str) -> int:
+    """The ledger id a partition key names, with a clear error for anything else."""
+    if not key.isdigit():
+        raise ValueError(f"not a ledger partition key: {key!r}; keys are zero-padded ledger ids like {ledger_partition_key(12)}")
+    return int(key)

@@ -20,6 +20,7 @@ from pyspark.sql.types import (
 LEDGER_ENTRIES = "ledger_entries"
 QUARANTINE_ENTRIES = "quarantine_entries"
 LEDGERS = "ledgers"
+LEDGER_STATES_LOG = "ledger_states"
 TXN_MARKERS = "txn_markers"
 STABLE_POSITIONS = "stable_positions"
 ABORTED_TXNS = "aborted_txns"
@@ -81,6 +82,19 @@ LEDGERS_SCHEMA = StructType(
         StructField("first_publish_time", TimestampType(), True),
         StructField("last_publish_time", TimestampType(), True),
         StructField("updated_at", TimestampType(), False),
+    ]
+)
+
+# Recorded ledger state transitions (append-only; the latest `recorded_at` per ledger wins).
+# Whoever knows better than "the last ledger is OPEN" writes here: the engine when it rolls a
+# ledger over (CLOSED), the offloader (OFFLOADED), retention (DELETED). `ledgers` applies them.
+LEDGER_STATES_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("state", StringType(), False),
+        StructField("reason", StringType(), True),
+        StructField("recorded_at", TimestampType(), False),
     ]
 )
 

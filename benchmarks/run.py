@@ -1,0 +1,39 @@
+"""`make bench`: every benchmark, one after the other, in one process (one SparkSession).
+
+Each entry of BENCHMARKS is a module with `run_benchmark(workdir: Path) -> dict`; it prints
+its figures and ratios as it goes. `make bench BENCH=name` runs one; BENCH_ENTRIES scales the
+log-sized ones (default 10 million).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+BENCHMARKS = {
+    "buffer": "benchmarks.buffer_bench",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    wanted = args or os.environ.get("BENCH", "").split() or list(BENCHMARKS)
+    unknown = [w for w in wanted if w not in BENCHMARKS]
+    if unknown:
+        print(f"error: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
+        return 2
+    for name in wanted:
+        workdir = Path(tempfile.mkdtemp(prefix=f"txnlake-bench-{name}-", dir=os.environ.get("TXNLAKE_BENCH_DIR")))
+        try:
+            importlib.import_module(BENCHMARKS[name]).run_benchmark(workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
