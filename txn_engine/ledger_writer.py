@@ -205,6 +205,8 @@ class LedgerWriter:
             self.tables.append(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA, [r for req in batch for r in req.offsets])
             self.tables.append(TXN_LOG, TXN_LOG_SCHEMA, [r for req in batch for r in req.after])
         except BaseException as exc:
+            with self._cond:
+                self._stopped = exc  # before anyone hears of the failure: no write is accepted after it
             for request in batch:
                 if not request.future.done():
                     request.future.set_exception(exc)
