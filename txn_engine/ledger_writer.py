@@ -136,13 +136,16 @@ class LedgerWriter:
         self._thread = threading.Thread(target=self._run, name="txnlake-committer", daemon=True)
         self._thread.start()
 
+    def check_running(self) -> None:
+        if self._stopped is not None or self._closing:
+            raise EngineStoppedError(
+                f"the engine stopped ({self._stopped or 'closed'}); nothing was written. Start a new engine "
+                "on this warehouse (it recovers every prepared transaction) and a new producer on it."
+            )
+
     def submit(self, request: WriteRequest) -> Future:
         with self._cond:
-            if self._stopped is not None or self._closing:
-                raise EngineStoppedError(
-                    f"the engine stopped ({self._stopped or 'closed'}); nothing was written. Start a new engine "
-                    "on this warehouse: it recovers every prepared transaction."
-                )
+            self.check_running()
             self._queue.append(request)
             self._cond.notify()
         return request.future

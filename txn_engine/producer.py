@@ -163,6 +163,7 @@ class TransactionalProducer:
         return identity.producer_id, identity.epoch
 
     def _identity(self) -> ProducerIdentity:
+        self.engine.writer.check_running()
         if self.epoch is None:
             raise InvalidTxnStateError(
                 f"producer {self.transactional_id!r} is not initialized; call init_transactions() first"
