@@ -55,10 +55,11 @@ class TxnInfo:
 class TxnAdmin:
     """Read-only over the warehouse (no engine lock needed); see the module docstring."""
 
-    def __init__(self, tables: DeltaTables):
+    def __init__(self, tables: DeltaTables, with_ledgers: bool = True):
+        """`with_ledgers=False` reads txn_log only (cheap: what the timeout sensor needs)."""
         self.tables = tables
         columns = [c for c in LEDGER_ENTRY_COLUMNS if c != "payload"]
-        rows = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, columns).to_pylist()
+        rows = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, columns).to_pylist() if with_ledgers else []
         self.buffers: dict[str, TopicTransactionBuffer] = replay(LogEntry.from_row(r) for r in rows)
         self._positions: dict[str, list[Position]] = {}
         for r in rows:
