@@ -1,6 +1,8 @@
-"""The transaction engine in Dagster: the demo workload asset, the timeout sensor and its job."""
+"""The transaction engine in Dagster: the demo workload asset, the timeout sensor and its job.
 
-from __future__ import annotations
+(No `from __future__ import annotations`: Dagster reads the config and context annotations.)
+"""
+
 
 from datetime import datetime, timezone
 

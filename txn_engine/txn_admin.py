@@ -177,6 +177,10 @@ def operator_abort(engine, txn: TxnId, who: str, why: str) -> TxnInfo:
     info = TxnAdmin(engine.tables).describe(txn)
     committed = [p.topic for p in info.parts if p.state == TxnState.COMMITTED]
     ongoing = [p.topic for p in info.parts if p.state == TxnState.ONGOING]
+    if committed and not ongoing:
+        raise InvalidTxnStateError(
+            f"transaction {txn} is committed (COMMIT markers on {', '.join(committed)}); nothing to abort"
+        )
     if committed:
         raise InvalidTxnStateError(
             f"transaction {txn} already has COMMIT markers on {', '.join(committed)}; aborting the rest would "
