@@ -281,16 +281,17 @@ class TransactionCoordinator:
             self.require_ongoing(t)
             t.offsets.extend(offsets)
 
-    def end_txn(self, txn: TxnId, outcome: EntryType, actor: str, reason: str | None = None):
-        """Commit or abort an ongoing transaction; returns the future of its COMPLETE record."""
+    def end_txn(self, txn: TxnId, outcome: EntryType, actor: str, reason: str | None = None, depends_on=()):
+        """Commit or abort an ongoing transaction; returns the future of its COMPLETE record.
+        `depends_on`: the transaction's sends not yet durable (it is prepared after them)."""
         with self.lock:
             t = self.txns.get(txn)
             if t is None:
                 raise UnknownTransactionError(f"no transaction {txn} in txn_log; list them with `txnlake txn list`")
             self.require_ongoing(t)
-            return self._end(t, outcome, actor, reason)
+            return self._end(t, outcome, actor, reason, depends_on)
 
-    def _end(self, t: Transaction, outcome: EntryType, actor: str, reason: str | None):
+    def _end(self, t: Transaction, outcome: EntryType, actor: str, reason: str | None, depends_on=()):
         prepare = PREPARE[outcome]
         t.state = prepare
         t.actor, t.reason = actor, reason
@@ -308,6 +309,7 @@ class TransactionCoordinator:
             offsets=self._offset_rows(t) if commit else [],
             after=[self._row(t, COMPLETE[outcome], actor, reason)],
             on_durable=completed,
+            depends_on=list(depends_on),
         )
         return self.writer.submit(request)
 

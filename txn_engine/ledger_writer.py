@@ -85,7 +85,7 @@ class PendingEntry:
         return len(self.payload or b"") + len((self.key or "").encode())
 
 
-@dataclass
+@dataclass(eq=False)
 class WriteRequest:
     """One caller's share of a round; `future` resolves to the positions of `entries`."""
 
@@ -94,7 +94,11 @@ class WriteRequest:
     offsets: list[dict[str, Any]] = field(default_factory=list)  # consumer_offsets rows
     after: list[dict[str, Any]] = field(default_factory=list)  # txn_log rows, durable after entries
     on_durable: Callable[[list[Position]], None] | None = None  # runs in the committer, before the future
+    depends_on: list[Future] = field(default_factory=list)  # written in a round after these are durable
     future: Future = field(default_factory=Future)
+
+    def ready(self) -> bool:
+        return all(f.done() for f in self.depends_on)
 
 
 @dataclass
@@ -178,8 +182,13 @@ class LedgerWriter:
                     failed = list(self._queue)  # a failure stops at once; a close drains first
                     self._queue.clear()
                     break
-                batch = list(self._queue)
-                self._queue.clear()
+                # A commit queued right after its sends waits one round: its data must be durable
+                # before its PREPARE (its dependencies are always earlier in the queue, so this
+                # round makes them durable).
+                batch, waiting = [], deque()
+                for request in self._queue:
+                    (batch if request.ready() else waiting).append(request)
+                self._queue = waiting
             try:
                 self._write_round(batch)
             except BaseException as exc:  # noqa: BLE001 - any failure stops the engine, see docstring

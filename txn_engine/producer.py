@@ -251,6 +251,24 @@ class TransactionalProducer:
         self.txn, self._sends = None, []
         return txn
 
+    def commit_async(self) -> Future:
+        """Pipelined commit: queue the commit and return at once; the future resolves when it is
+        complete (or raises). The producer may begin() its next transaction meanwhile, so one
+        producer keeps many transactions in flight. A crash before the future resolves leaves the
+        transaction in doubt: recovery commits it on every topic if it was prepared, else on none."""
+        coordinator = self.engine.coordinator
+        with coordinator.lock:
+            self._identity()
+            txn = self._open_txn()
+            pending = [f._batch for f in self._sends]
+            if txn in coordinator.txns:
+                future = coordinator.end_txn(txn, EntryType.COMMIT, "producer", depends_on=[f for f in pending if not f.done()])
+            else:
+                future = Future()
+                future.set_result([])
+            self.txn, self._sends = None, []
+        return future
+
     def abort(self) -> TxnId | None:
         """Abort the open transaction: ABORT markers on its topics; nothing of it is ever read."""
         coordinator = self.engine.coordinator
