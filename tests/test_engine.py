@@ -264,3 +264,30 @@ def test_second_engine_is_refused_until_the_first_closes(warehouse):
     first.close()
     with Engine(warehouse) as second:
         assert second.send("t", b"x").result() is not None
+
+
+def test_pipelined_commits_keep_many_transactions_in_flight(engine):
+    p = engine.producer("fast")
+    p.init_transactions()
+    futures = []
+    for i in range(5):
+        p.begin()
+        p.send("a", f"a{i}")
+        p.send("b", f"b{i}")
+        futures.append(p.commit_async())  # the next begin() does not wait for it
+    p.begin()
+    p.send("a", b"aborted")
+    p.abort()
+    for future in futures:
+        future.result()
+    assert payloads(engine, "a") == [f"a{i}".encode() for i in range(5)]
+    assert payloads(engine, "b") == [f"b{i}".encode() for i in range(5)]
+    # Each transaction was prepared only after its data was durable: its PREPARE row comes in a
+    # later group-commit round than its data, i.e. every marker is after the data it closes.
+    stored = entries(engine).to_pylist()
+    for topic in "ab":
+        kinds = [(r["txn_least_bits"], r["entry_type"]) for r in sorted(
+            (r for r in stored if r["topic"] == topic), key=lambda r: (r["ledger_id"], r["entry_id"]))]
+        for txn, kind in kinds:
+            if kind == "COMMIT":
+                assert (txn, "DATA") in kinds[: kinds.index((txn, kind))]
