@@ -10,8 +10,6 @@ from dagster import AssetKey, RunRequest, build_sensor_context, materialize
 from assets.engine import abort_expired_job, demo_workload, txn_timeout_sensor
 from pipelines.cli import main
 from pipelines.definitions import DERIVED_SELECTION, defs
-from resources.engine import EngineResource
-from resources.warehouse import WarehouseResource
 from tests.rows import entry, write_jsonl
 from txn_engine.delta_io import DeltaTables
 from txn_engine.engine import Engine
@@ -26,7 +24,7 @@ def test_demo_workload_asset_runs_only_when_asked(dagster_resources, warehouse):
     config = {"producers": 3, "transactions_per_producer": 6, "timeout_ratio": 0.2, "abort_ratio": 0.2, "seed": 1}
     result = materialize(
         [demo_workload],
-        resources={**dagster_resources, "engine": EngineResource()},
+        resources=dagster_resources,
         run_config={"ops": {"demo_workload": {"config": config}}},
     )
     assert result.success
@@ -53,7 +51,7 @@ def test_timeout_sensor_launches_the_abort(warehouse, dagster_resources):
     time.sleep(0.1)
     request = txn_timeout_sensor(context)
     assert isinstance(request, RunRequest) and str(txn) in request.run_key
-    result = abort_expired_job.execute_in_process(resources={**dagster_resources, "engine": EngineResource()})
+    result = abort_expired_job.execute_in_process(resources=dagster_resources)
     assert result.success
     assert TxnAdmin(DeltaTables(warehouse)).describe(txn).state == "COMPLETE_ABORT"
     assert txn_timeout_sensor(build_sensor_context(resources=resources)).skip_message
