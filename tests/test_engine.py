@@ -161,7 +161,7 @@ def test_duplicate_and_out_of_order_sends(engine, warehouse):
     engine.close()
     with Engine(warehouse) as again:  # after a restart retries are still recognized (looked up in Delta)
         retried = again.sequences.check(pid, "t", 0)
-        assert retried.result() == [first]
+        assert retried.result() == first
         assert again.sequences.next_sequence(pid, "t") == 2
 
 
@@ -218,7 +218,7 @@ def test_timeout_abort_and_the_late_commit(warehouse):
         p = engine.producer("slow", transaction_timeout=10)
         p.init_transactions()
         txn = p.begin()
-        p.send("t", b"late")
+        p.send("t", b"late").result()
         clock.now += timedelta(seconds=5)
         assert engine.abort_expired() == []
         clock.now += timedelta(seconds=6)

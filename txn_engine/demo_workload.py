@@ -64,6 +64,7 @@ def run_demo_workload(engine: Engine, mix: WorkloadMix = WorkloadMix(), topic_pr
                 producer.abort()
                 local["aborted"] += 1
             elif roll < mix.abort_ratio + mix.timeout_ratio:
+                producer.flush()  # its sends are written; only the commit never comes
                 with lock:
                     slow.append(producer)
                 producer = engine.producer(f"{topic_prefix}-producer-{index}-after-timeout-{t}", mix.timeout_s)

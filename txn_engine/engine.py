@@ -102,20 +102,23 @@ class Engine:
         entry = PendingEntry(topic, EntryType.DATA.value, key=key, payload=_payload(value))
         return SendFuture(self.writer.submit(WriteRequest(entries=[entry])))
 
-    def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, txn: TxnId | None = None,
-                       before: Callable[[], list] | None = None) -> SendFuture:
-        """The de-duplicating send path; call under `coordinator.lock` so queue order is log order."""
+    def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, batch, flush,
+                       txn: TxnId | None = None) -> SendFuture:
+        """The de-duplicating send path, into the producer's batch; call under `coordinator.lock`."""
         seq = self.sequences.next_sequence(producer_id, topic) if sequence is None else int(sequence)
         original = self.sequences.check(producer_id, topic, seq)
         if original is not None:
-            return SendFuture(original, seq)  # a retry: acknowledged with its original position
+            return original  # a retry: acknowledged with its original position
         entry = PendingEntry(
             topic, EntryType.DATA.value, None if txn is None else txn.most_bits, None if txn is None else txn.least_bits,
             producer_id, epoch, seq, key, payload,
         )
-        future = self.writer.submit(WriteRequest(before=before() if before else [], entries=[entry]))
-        self.sequences.record(producer_id, topic, seq, future)
-        return SendFuture(future, seq)
+        future, index = batch.add(entry)
+        send = SendFuture(future, index, seq, flush)
+        self.sequences.record(producer_id, topic, seq, send)
+        if batch.full:
+            flush()
+        return send
 
     # -- coordinator -------------------------------------------------------------------------
 

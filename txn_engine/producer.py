@@ -30,21 +30,54 @@ if TYPE_CHECKING:
 RECENT_SENDS_KEPT = 256  # per (producer, topic): retries of older sends are looked up in Delta
 
 
-class SendFuture:
-    """The acknowledgement of one send: `result()` is its position once durable in Delta."""
+MAX_BATCH_ENTRIES = 10_000  # a producer's batch is queued when this full, at the latest
 
-    def __init__(self, batch: Future, sequence: int | None = None):
+
+class SendFuture:
+    """The acknowledgement of one send: `result()` is its position once durable in Delta.
+
+    Waiting on it first queues its producer's batch if that is still held back."""
+
+    def __init__(self, batch: Future, index: int = 0, sequence: int | None = None, flush=None):
         self._batch = batch
+        self._index = index
         self.sequence = sequence
+        self._flush = flush
 
     def result(self, timeout: float | None = None) -> Position:
-        return self._batch.result(timeout)[0]
+        if self._flush is not None and not self._batch.done():
+            self._flush()
+        return self._batch.result(timeout)[self._index]
 
     def done(self) -> bool:
         return self._batch.done()
 
     def exception(self, timeout: float | None = None):
+        if self._flush is not None and not self._batch.done():
+            self._flush()
         return self._batch.exception(timeout)
+
+
+class SendAccumulator:
+    """A producer's sends not yet queued (Kafka's RecordAccumulator): one write request per batch,
+    so a transaction's messages cost one request and one future, not one each."""
+
+    def __init__(self) -> None:
+        self.request: WriteRequest | None = None
+
+    def add(self, entry: PendingEntry) -> tuple[Future, int]:
+        if self.request is None:
+            self.request = WriteRequest()
+        self.request.entries.append(entry)
+        return self.request.future, len(self.request.entries) - 1
+
+    @property
+    def full(self) -> bool:
+        return self.request is not None and len(self.request.entries) >= MAX_BATCH_ENTRIES
+
+    def take(self) -> WriteRequest | None:
+        request, self.request = self.request, None
+        return request
 
 
 class ProducerStateManager:
@@ -53,7 +86,7 @@ class ProducerStateManager:
     def __init__(self, tables: DeltaTables):
         self.tables = tables
         self._last: dict[tuple[int, str], int] = {}
-        self._recent: dict[tuple[int, str], OrderedDict[int, Future]] = {}
+        self._recent: dict[tuple[int, str], OrderedDict[int, SendFuture]] = {}
         stored = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["producer_id", "topic", "sequence_id"])
         stored = stored.filter(pc.is_valid(stored["sequence_id"]))
         if stored.num_rows:
@@ -64,7 +97,7 @@ class ProducerStateManager:
     def next_sequence(self, producer_id: int, topic: str) -> int:
         return self._last.get((producer_id, topic), -1) + 1
 
-    def check(self, producer_id: int, topic: str, sequence: int) -> Future | None:
+    def check(self, producer_id: int, topic: str, sequence: int) -> SendFuture | None:
         """None when `sequence` is the next one; the original acknowledgement for a retry; raises on a gap."""
         expected = self.next_sequence(producer_id, topic)
         if sequence == expected:
@@ -83,7 +116,7 @@ class ProducerStateManager:
             return recent[sequence]
         return self._stored_position(producer_id, topic, sequence)
 
-    def _stored_position(self, producer_id: int, topic: str, sequence: int) -> Future:
+    def _stored_position(self, producer_id: int, topic: str, sequence: int) -> SendFuture:
         entries = self.tables.read(
             LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["topic", "ledger_id", "entry_id", "producer_id", "sequence_id"]
         )
@@ -100,9 +133,9 @@ class ProducerStateManager:
             )
         future: Future = Future()
         future.set_result([Position(hit["ledger_id"][0].as_py(), hit["entry_id"][0].as_py())])
-        return future
+        return SendFuture(future, 0, sequence)
 
-    def record(self, producer_id: int, topic: str, sequence: int, future: Future) -> None:
+    def record(self, producer_id: int, topic: str, sequence: int, future: SendFuture) -> None:
         self._last[(producer_id, topic)] = sequence
         recent = self._recent.setdefault((producer_id, topic), OrderedDict())
         recent[sequence] = future
@@ -130,13 +163,23 @@ class IdempotentProducer:
         self.engine = engine
         self.producer_id = producer_id
         self.epoch = epoch
+        self._batch = SendAccumulator()
 
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry; `sequence` (default: the next one) makes a retry safe."""
         _check_topic(topic)
         payload = _payload(value)
         with self.engine.coordinator.lock:
-            return self.engine.sequenced_send(self.producer_id, self.epoch, topic, payload, key, sequence)
+            return self.engine.sequenced_send(
+                self.producer_id, self.epoch, topic, payload, key, sequence, self._batch, self.flush
+            )
+
+    def flush(self) -> None:
+        """Queue the sends held back in this producer's batch (waiting on a send does it too)."""
+        with self.engine.coordinator.lock:
+            request = self._batch.take()
+            if request is not None:
+                self.engine.writer.submit(request)
 
 
 class TransactionalProducer:
@@ -154,7 +197,8 @@ class TransactionalProducer:
         self.producer_id: int | None = None
         self.epoch: int | None = None
         self.txn: TxnId | None = None
-        self._sends: list[Future] = []
+        self._sends: list[Future] = []  # queued batches of the open transaction
+        self._batch = SendAccumulator()
 
     def init_transactions(self) -> tuple[int, int]:
         """Register this instance: same producer id as before, epoch + 1; fences older instances."""
@@ -201,12 +245,32 @@ class TransactionalProducer:
             t = coordinator.txns.get(txn)
             if t is not None:
                 coordinator.require_ongoing(t)
-            future = self.engine.sequenced_send(
-                identity.producer_id, identity.epoch, topic, payload, key, sequence,
-                txn=txn, before=lambda: coordinator.add_topic(identity, txn, topic),
+            return self.engine.sequenced_send(
+                identity.producer_id, identity.epoch, topic, payload, key, sequence, self._batch, self.flush, txn=txn
             )
-        self._sends.append(future)
-        return future
+
+    def flush(self) -> None:
+        """Queue the sends held back in this producer's batch (waiting on a send does it too).
+
+        The checks happen here, in queue order: a producer fenced or a transaction aborted since
+        the sends were accepted gets its sends failed, and nothing of them is written."""
+        coordinator = self.engine.coordinator
+        with coordinator.lock:
+            request = self._batch.take()
+            if request is None:
+                return
+            try:
+                identity = self._identity()
+                txn = self._open_txn()
+                before = []
+                for topic in dict.fromkeys(e.topic for e in request.entries):
+                    before.extend(coordinator.add_topic(identity, txn, topic))
+                request.before = before  # ONGOING with the new topics, durable before the data
+                self.engine.writer.submit(request)
+            except BaseException as exc:
+                request.future.set_exception(exc)
+                raise
+            self._sends.append(request.future)
 
     def send_offsets(self, group: str, offsets: Mapping[str, Position | tuple[int, int]]) -> None:
         """Consumer-group offsets that land in consumer_offsets if and only if this transaction commits."""
@@ -224,7 +288,7 @@ class TransactionalProducer:
             coordinator.ensure_txn(identity, txn)  # offsets alone still make a transaction
             coordinator.add_offsets(txn, rows)
 
-    def _flush(self) -> BaseException | None:
+    def _wait_sends(self) -> BaseException | None:
         errors = [f.exception() for f in self._sends]
         return next((e for e in errors if e is not None), None)
 
@@ -234,7 +298,8 @@ class TransactionalProducer:
         with coordinator.lock:
             self._identity()
             txn = self._open_txn()
-        failed = self._flush()
+            self.flush()
+        failed = self._wait_sends()
         if failed is not None:
             raise InvalidTxnStateError(
                 f"a send of transaction {txn} failed ({failed}); the transaction cannot commit. Call abort(), "
@@ -260,9 +325,11 @@ class TransactionalProducer:
         with coordinator.lock:
             self._identity()
             txn = self._open_txn()
-            pending = [f._batch for f in self._sends]
+            self.flush()
             if txn in coordinator.txns:
-                future = coordinator.end_txn(txn, EntryType.COMMIT, "producer", depends_on=[f for f in pending if not f.done()])
+                future = coordinator.end_txn(
+                    txn, EntryType.COMMIT, "producer", depends_on=[f for f in self._sends if not f.done()]
+                )
             else:
                 future = Future()
                 future.set_result([])
@@ -275,7 +342,12 @@ class TransactionalProducer:
         with coordinator.lock:
             self._identity()
             txn = self._open_txn()
-        self._flush()
+            dropped = self._batch.take()
+            if dropped is not None:  # never queued: nothing of it is written
+                dropped.future.set_exception(
+                    TransactionAbortedError(f"transaction {txn} was aborted before this send was written")
+                )
+        self._wait_sends()
         with coordinator.lock:
             self._identity()
             t = coordinator.txns.get(txn)
