@@ -245,14 +245,15 @@ class TransactionCoordinator:
             self._next_txn_seq[identity.group] = seq + 1
             return TxnId(identity.group, seq)
 
-    def add_topic(self, identity: ProducerIdentity, txn: TxnId, topic: str) -> list[dict[str, Any]]:
-        """Mark `topic` part of `txn` (Kafka's AddPartitionsToTxn); returns txn_log rows to write
-        before the data. Must be called under `lock`, checks the state first."""
+    def add_topics(self, identity: ProducerIdentity, txn: TxnId, topics) -> list[dict[str, Any]]:
+        """Make `topics` part of `txn` (Kafka's AddPartitionsToTxn): the ONGOING row to write before
+        their data, or none when they already were. Call under `lock`; checks the state first."""
         t = self.ensure_txn(identity, txn)
         self.require_ongoing(t)
-        if topic in t.topics:
+        new = [topic for topic in topics if topic not in t.topics]
+        if not new:
             return []
-        t.topics.append(topic)
+        t.topics.extend(new)
         return [self._row(t, TxnStatus.ONGOING, "producer", None)]
 
     def ensure_txn(self, identity: ProducerIdentity, txn: TxnId) -> Transaction:

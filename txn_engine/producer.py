@@ -262,10 +262,8 @@ class TransactionalProducer:
             try:
                 identity = self._identity()
                 txn = self._open_txn()
-                before = []
-                for topic in dict.fromkeys(e.topic for e in request.entries):
-                    before.extend(coordinator.add_topic(identity, txn, topic))
-                request.before = before  # ONGOING with the new topics, durable before the data
+                topics = dict.fromkeys(e.topic for e in request.entries)
+                request.before = coordinator.add_topics(identity, txn, topics)  # durable before the data
                 self.engine.writer.submit(request)
             except BaseException as exc:
                 request.future.set_exception(exc)
