@@ -12,7 +12,6 @@ p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,0
 from __future__ import annotations
 
 import os
-import statistics
 import threading
 import time
 from collections import deque

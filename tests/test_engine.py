@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pytest
 
 from txn_engine.engine import Engine
-from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
+from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE
 from txn_engine.positions import Position
 from txn_engine.schema import (
     CONSUMER_OFFSETS,

@@ -11,7 +11,7 @@ from txn_engine.ingest import ingest_files
 from txn_engine.ledger_writer import RolloverPolicy
 from txn_engine.positions import Position
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
-from txn_engine.schema import LEDGER_ENTRIES
+from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, TXN_LOG
 
 
 def test_engine_appends_to_a_spark_table_and_spark_reads_the_engine(warehouse, tmp_path):
@@ -26,6 +26,7 @@ def test_engine_appends_to_a_spark_table_and_spark_reads_the_engine(warehouse, t
         txn = p.begin()
         assert txn.least_bits > 5  # above every transaction id already stored
         p.send("orders", b"engine-1")
+        p.send_offsets("g", {"in": Position(3, 4)})
         assert engine.consumer("orders").read()[-1].payload == b"x"  # not decided yet: not read
         p.commit()
         engine.send("orders", b"engine-2").result()
@@ -37,6 +38,12 @@ def test_engine_appends_to_a_spark_table_and_spark_reads_the_engine(warehouse, t
     spark_view = committed_entries(stored).filter("in_stable_prefix").orderBy("ledger_id", "entry_id")
     assert [(Position(r.ledger_id, r.entry_id), bytes(r.payload)) for r in spark_view.collect()] == consumed
     assert [p for _, p in consumed] == [b"x", b"x", b"engine-1", b"engine-2"]
+    # The coordinator's tables, nested columns included, read in Spark SQL as well.
+    log = warehouse.read(TXN_LOG).filter("state = 'PREPARE_COMMIT'").select("offsets", "topics").collect()
+    assert [(o.group_id, o.topic, o.ledger_id, o.entry_id) for o in log[0].offsets] == [("g", "in", 3, 4)]
+    assert log[0].topics == ["orders"]
+    offsets = warehouse.read(CONSUMER_OFFSETS).collect()
+    assert [(o.group_id, o.ledger_id, o.entry_id) for o in offsets] == [("g", 3, 4)]
 
 
 def test_rollover_closes_ledgers_and_ledgers_shows_them(warehouse):

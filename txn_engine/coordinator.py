@@ -21,7 +21,6 @@ import pyarrow.compute as pc
 
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import LedgerWriter, PendingEntry, WriteRequest
-from txn_engine.positions import Position
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
