@@ -28,13 +28,14 @@ from typing import Any, Callable
 import pyarrow as pa
 
 from txn_engine.delta_io import DeltaTables, arrow_schema
-from txn_engine.ledgers import record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
@@ -229,9 +230,13 @@ class LedgerWriter:
                 request.on_durable(assigned)
             request.future.set_result(assigned)
         if closed:
+            # Through delta-rs like the rest of the engine's writes (no Spark needed, milliseconds),
+            # into the ledger_states log that txn_engine.ledgers.record_ledger_states also appends to.
             # Best effort: the catalog derives CLOSED for every ledger but a topic's last one anyway.
+            now = self.clock()
+            rows = [{"topic": t, "ledger_id": l, "state": s, "reason": r, "recorded_at": now} for t, l, s, r in closed]
             try:
-                record_ledger_states(self.tables.warehouse, closed)
+                self.tables.append(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, rows)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not record closed ledgers %s: %s", closed, exc)
 
