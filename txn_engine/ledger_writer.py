@@ -69,7 +69,9 @@ class RolloverPolicy:
 
 @dataclass
 class PendingEntry:
-    """An entry waiting for its position: a row of ledger_entries without ledger_id/entry_id."""
+    """An entry waiting for its position: a row of ledger_entries without ledger_id/entry_id.
+
+    (Not a `LogEntry`: that one is a stored row and requires its position.)"""
 
     topic: str
     entry_type: str
