@@ -291,3 +291,31 @@ def test_pipelined_commits_keep_many_transactions_in_flight(engine):
         for txn, kind in kinds:
             if kind == "COMMIT":
                 assert (txn, "DATA") in kinds[: kinds.index((txn, kind))]
+
+
+def test_an_engine_in_another_process_is_refused_until_it_dies(warehouse, warehouse_root):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from txn_engine.engine import Engine\n"
+         "from txn_engine.settings import WarehouseSettings\n"
+         "from txn_engine.warehouse import Warehouse\n"
+         f"engine = Engine(Warehouse(None, WarehouseSettings(warehouse={str(warehouse_root)!r})))\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(EngineLockedError, match=f"pid {child.pid} on"):
+            Engine(warehouse)
+    finally:
+        child.send_signal(signal.SIGKILL)  # a crash: the OS releases the lock
+        child.wait()
+    with Engine(warehouse) as engine:
+        assert engine.send("t", b"x").result() is not None
