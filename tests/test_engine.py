@@ -8,13 +8,15 @@ import pyarrow.compute as pc
 import pytest
 
 from txn_engine.engine import Engine
-from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE
+from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
 from txn_engine.positions import Position
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
@@ -319,3 +321,19 @@ def test_an_engine_in_another_process_is_refused_until_it_dies(warehouse, wareho
         child.wait()
     with Engine(warehouse) as engine:
         assert engine.send("t", b"x").result() is not None
+
+
+def test_rollover_by_bytes_and_by_age(warehouse):
+    clock = Clock()
+    policy = RolloverPolicy(max_entries=1000, max_bytes=10, max_age=timedelta(minutes=5))
+    with Engine(warehouse, rollover=policy, clock=clock) as engine:
+        by_bytes = [engine.send("t", b"123456").result() for _ in range(3)]  # 6 + 6 bytes reach 10
+        assert [p.entry_id for p in by_bytes] == [0, 1, 0]
+        clock.now += timedelta(minutes=6)
+        aged = engine.send("t", b"1").result()
+        assert aged.entry_id == 0 and aged.ledger_id > by_bytes[2].ledger_id
+        with pytest.raises(ValueError, match="rollover limits must be positive"):
+            RolloverPolicy(max_entries=0)
+    states = engine.tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA)
+    reasons = sorted(states["reason"].to_pylist())
+    assert len(reasons) == 2 and reasons[0].startswith("rollover: 12 bytes") and "open for" in reasons[1]
