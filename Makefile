@@ -30,7 +30,8 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 		echo "== empty warehouse: generating $(DEMO_ENTRIES) demo entries"; \
 		mkdir -p $(dir $(DEMO_FILE)); \
 		$(VENV)/bin/txnlake generate --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
-		$(VENV)/bin/txnlake ingest $(DEMO_FILE) || exit 1; \
+		$(VENV)/bin/txnlake ingest $(DEMO_FILE) && \
+		$(VENV)/bin/txnlake demo || exit 1; \
 	fi
 	$(VENV)/bin/txnlake run
 	@echo

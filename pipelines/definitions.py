@@ -11,18 +11,21 @@ from __future__ import annotations
 
 from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
 
+from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
 from assets.ledger import ingest_ledger_entries, ledgers
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
+from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
-ALL_ASSETS = [ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets()]
+ALL_ASSETS = [ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets(), demo_workload]
 ALL_CHECKS = [*BUFFER_CHECKS]
 
 # Everything derived from what the warehouse already holds; ingest adds data and is not in it.
-DERIVED_SELECTION = AssetSelection.all() - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES)
+# The demo workload writes through the engine: it runs only when asked (`txnlake demo`, its job).
+DERIVED_SELECTION = AssetSelection.all() - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
 
 derive_all_job = define_asset_job(
     "derive_all",
@@ -35,12 +38,19 @@ ingest_job = define_asset_job(
     description="Ingest raw ledger files: set ops.ingest_ledger_entries.config.paths.",
 )
 
-RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource()}
+demo_job = define_asset_job(
+    "demo",
+    selection=AssetSelection.assets(DEMO_WORKLOAD),
+    description="Run the demo workload through the transaction engine (what `txnlake demo` does).",
+)
+
+RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine": EngineResource()}
 
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job],
+    jobs=[derive_all_job, ingest_job, demo_job, abort_expired_job],
+    sensors=[txn_timeout_sensor],
     resources=RESOURCES,
     executor=in_process_executor,
 )

@@ -40,10 +40,15 @@ def warehouse(spark, warehouse_root: Path):
 
 @pytest.fixture
 def dagster_resources(spark, warehouse_root: Path):
+    from resources.engine import EngineResource
     from resources.spark import SparkResource
     from resources.warehouse import WarehouseResource
 
-    return {"spark": SparkResource(conf=TEST_SPARK_CONF), "warehouse": WarehouseResource(root=str(warehouse_root))}
+    return {
+        "spark": SparkResource(conf=TEST_SPARK_CONF),
+        "warehouse": WarehouseResource(root=str(warehouse_root)),
+        "engine": EngineResource(),
+    }
 
 
 def pytest_configure(config):

@@ -6,6 +6,7 @@ Downstream SQL depends on these column names and meanings; add columns, never re
 from __future__ import annotations
 
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     BooleanType,
     IntegerType,
@@ -137,5 +138,57 @@ COMMITTED_ENTRIES_SCHEMA = StructType(
         StructField("visible_entry_id", LongType(), False),
         StructField("local_seq", LongType(), False),
         StructField("in_stable_prefix", BooleanType(), False),
+    ]
+)
+
+# The transaction coordinator's log (append-only state transitions; the latest `log_seq` of a
+# transactional id wins). EMPTY records a producer id / epoch handed out with no transaction open.
+TXN_STATES = ("EMPTY", "ONGOING", "PREPARE_COMMIT", "PREPARE_ABORT", "COMPLETE_COMMIT", "COMPLETE_ABORT")
+TXN_LOG_SCHEMA = StructType(
+    [
+        StructField("log_seq", LongType(), False),
+        StructField("txn_group", IntegerType(), False),
+        StructField("transactional_id", StringType(), True),  # null for idempotent producers
+        StructField("producer_id", LongType(), False),
+        StructField("producer_epoch", IntegerType(), False),
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("state", StringType(), False),
+        StructField("topics", ArrayType(StringType(), False), False),
+        StructField("timeout_ms", LongType(), False),
+        StructField("txn_started_at", TimestampType(), True),
+        StructField("recorded_at", TimestampType(), False),
+        StructField("actor", StringType(), False),  # producer, coordinator, recovery, operator:<who>
+        StructField("reason", StringType(), True),
+        # Offsets sent inside the transaction: kept with PREPARE_COMMIT so recovery can land them.
+        StructField(
+            "offsets",
+            ArrayType(
+                StructType(
+                    [
+                        StructField("group_id", StringType(), False),
+                        StructField("topic", StringType(), False),
+                        StructField("ledger_id", LongType(), False),
+                        StructField("entry_id", LongType(), False),
+                    ]
+                ),
+                False,
+            ),
+            True,
+        ),
+    ]
+)
+
+# Consumer-group offsets committed inside transactions: appended with the COMPLETE_COMMIT only.
+CONSUMER_OFFSETS_SCHEMA = StructType(
+    [
+        StructField("group_id", StringType(), False),
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("entry_id", LongType(), False),
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("log_seq", LongType(), False),  # the txn_log record that committed them; latest wins
+        StructField("committed_at", TimestampType(), False),
     ]
 )

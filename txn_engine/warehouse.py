@@ -17,6 +17,7 @@ from delta.exceptions import (
     ProtocolChangedException,
 )
 from delta.tables import DeltaTable
+from deltalake.exceptions import CommitFailedError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
@@ -37,6 +38,7 @@ DELTA_CONFLICTS = (
     ConcurrentWriteException,
     MetadataChangedException,
     ProtocolChangedException,
+    CommitFailedError,  # delta-rs (the engine's write path): another writer won the version
 )
 
 T = TypeVar("T")

@@ -1,0 +1,110 @@
+"""The transaction engine in Dagster: the demo workload asset, the timeout sensor and its job.
+
+(No `from __future__ import annotations`: Dagster reads the config and context annotations.)
+"""
+
+
+from datetime import datetime, timezone
+
+from dagster import (
+    AssetExecutionContext,
+    Config,
+    MaterializeResult,
+    MetadataValue,
+    OpExecutionContext,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    asset,
+    job,
+    op,
+    sensor,
+)
+from pydantic import Field
+
+from assets.metadata import table_metadata
+from resources.engine import EngineResource
+from resources.spark import SparkResource
+from resources.warehouse import WarehouseResource
+from txn_engine.delta_io import DeltaTables
+from txn_engine.demo_workload import WorkloadMix, run_demo_workload
+from txn_engine.schema import LEDGER_ENTRIES
+from txn_engine.txn_admin import TxnAdmin
+from txn_engine.warehouse import Warehouse
+
+GROUP = "engine"
+DEMO_WORKLOAD = "demo_workload"
+ABORT_EXPIRED_JOB = "abort_expired_transactions"
+
+
+class DemoWorkloadConfig(Config):
+    producers: int = Field(default=4, description="Concurrent producer threads.")
+    transactions_per_producer: int = Field(default=20)
+    messages_per_transaction: int = Field(default=5)
+    topics: int = Field(default=3)
+    abort_ratio: float = Field(default=0.15)
+    timeout_ratio: float = Field(default=0.05, description="Transactions left open until the coordinator aborts them.")
+    retry_ratio: float = Field(default=0.1, description="Sends retried with the same sequence number.")
+    seed: int = Field(default=0)
+
+
+@asset(
+    name=DEMO_WORKLOAD,
+    group_name=GROUP,
+    description="A workload that really goes through the engine (commits, aborts, timeouts, retries, a zombie "
+    "producer) into ledger_entries and txn_log. Runs only when asked: `txnlake demo` or the demo job.",
+)
+def demo_workload(
+    context: AssetExecutionContext,
+    config: DemoWorkloadConfig,
+    engine: EngineResource,
+    warehouse: WarehouseResource,
+    spark: SparkResource,
+) -> MaterializeResult:
+    wh = warehouse.open(spark.session())
+    mix = WorkloadMix(
+        producers=config.producers,
+        transactions_per_producer=config.transactions_per_producer,
+        messages_per_transaction=config.messages_per_transaction,
+        topics=config.topics,
+        abort_ratio=config.abort_ratio,
+        timeout_ratio=config.timeout_ratio,
+        retry_ratio=config.retry_ratio,
+        seed=config.seed,
+    )
+    with engine.open(wh) as running:
+        counts = run_demo_workload(running, mix)
+        rounds = running.writer.rounds
+    context.log.info(f"demo workload: {counts} in {rounds} group commits")
+    entries = wh.read(LEDGER_ENTRIES).count()
+    return MaterializeResult(
+        metadata=table_metadata(wh, LEDGER_ENTRIES, entries, **counts, group_commits=rounds,
+                                outcome=MetadataValue.json(counts))
+    )
+
+
+@op(description="Abort every transaction open past its timeout (the coordinator's timeout abort).")
+def abort_expired_op(context: OpExecutionContext, engine: EngineResource, warehouse: WarehouseResource, spark: SparkResource):
+    with engine.open(warehouse.open(spark.session())) as running:
+        aborted = running.abort_expired()
+    context.log.info(f"aborted {len(aborted)} expired transaction(s): {', '.join(map(str, aborted)) or 'none'}")
+    return [str(t) for t in aborted]
+
+
+@job(name=ABORT_EXPIRED_JOB, description="Abort transactions open past their timeout; launched by the timeout sensor.")
+def abort_expired_job():
+    abort_expired_op()
+
+
+def expired_transactions(warehouse: WarehouseResource, now: datetime) -> list[str]:
+    """Ids of the transactions txn_log shows open past their timeout (read-only, no engine)."""
+    tables = DeltaTables(Warehouse(None, warehouse.settings()))
+    return [str(i.txn) for i in TxnAdmin(tables, with_ledgers=False).transactions().values() if i.expired(now)]
+
+
+@sensor(job=abort_expired_job, minimum_interval_seconds=30, description="Launch the timeout abort when a transaction is open past its timeout.")
+def txn_timeout_sensor(context: SensorEvaluationContext, warehouse: WarehouseResource):
+    expired = expired_transactions(warehouse, datetime.now(timezone.utc))
+    if not expired:
+        return SkipReason("no transaction is open past its timeout")
+    return RunRequest(run_key="expired:" + ",".join(expired), tags={"txnlake/expired": ",".join(expired)[:200]})

@@ -1,0 +1,91 @@
+"""`txnlake txn list|describe|find-hanging|abort`: the operators' transaction tools."""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+from datetime import datetime, timedelta, timezone
+
+from txn_engine.settings import WarehouseSettings
+from txn_engine.transaction_buffer import TxnId
+
+
+def add_txn_parser(sub, handler) -> None:
+    p = sub.add_parser("txn", help="inspect and abort transactions (txn_log and ledgers)")
+    txn_sub = p.add_subparsers(dest="txn_command", required=True)
+    q = txn_sub.add_parser("list", help="every known transaction, from txn_log and from the ledgers")
+    q.add_argument("--state", help="only this state, e.g. ONGOING or COMPLETE_ABORT")
+    q.add_argument("--limit", type=int, default=100, help="rows to print (default 100)")
+    q = txn_sub.add_parser("describe", help="one transaction: state, topics, history")
+    q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
+    q = txn_sub.add_parser("find-hanging", help="open past their timeout, or holding a stable position back")
+    q.add_argument("--held-back", type=float, default=300.0, metavar="SECONDS",
+                   help="report transactions holding a topic's stable position back longer than this (default 300)")
+    q = txn_sub.add_parser("abort", help="abort a transaction (ABORT markers), recorded with who/why in txn_log")
+    q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
+    q.add_argument("--who", default=getpass.getuser(), help="operator name (default: the current user)")
+    q.add_argument("--why", required=True, help="reason, recorded in txn_log")
+    p.set_defaults(func=handler)
+
+
+def _admin(warehouse):
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.txn_admin import TxnAdmin
+
+    return TxnAdmin(DeltaTables(warehouse))
+
+
+def _warehouse():
+    from txn_engine.warehouse import Warehouse
+
+    # No Spark: the engine and these tools read and write Delta through delta-rs.
+    return Warehouse(None, WarehouseSettings())
+
+
+def _time(value) -> str:
+    return "-" if value is None else f"{value:%Y-%m-%d %H:%M:%S}"
+
+
+def _print_info(info) -> None:
+    print(f"transaction {info.txn}: {info.state} (known from {info.source})")
+    print(f"  transactional id: {info.transactional_id or '-'}   producer id: {info.producer_id if info.producer_id is not None else '-'}")
+    print(f"  started: {_time(info.started_at)}   timeout: {info.timeout_ms if info.timeout_ms is not None else '-'} ms")
+    for part in info.parts:
+        extra = ""
+        if part.first_position is not None:
+            extra = f"  first entry {part.first_position}, {part.entries_held_back} entries held back since {_time(part.held_back_since)}"
+        print(f"  topic {part.topic}: {part.state}{extra}")
+    for row in info.history:
+        print(f"  [{row['log_seq']}] {_time(row['recorded_at'])} {row['state']:<16} by {row['actor']}"
+              + (f": {row['reason']}" if row["reason"] else ""))
+
+
+def run_txn_command(args: argparse.Namespace) -> int:
+    warehouse = _warehouse()
+    command = args.txn_command
+    if command == "list":
+        infos = [i for i in _admin(warehouse).transactions().values() if not args.state or i.state == args.state.upper()]
+        print(f"{'TXN':<12} {'STATE':<20} {'SOURCE':<8} {'TRANSACTIONAL ID':<28} {'STARTED':<19} TOPICS")
+        for info in infos[: args.limit]:
+            topics = ",".join(f"{p.topic}={p.state}" for p in info.parts) or "-"
+            print(f"{str(info.txn):<12} {info.state:<20} {info.source:<8} {info.transactional_id or '-':<28} "
+                  f"{_time(info.started_at):<19} {topics}")
+        print(f"{len(infos)} transaction(s)" + (f", first {args.limit} shown" if len(infos) > args.limit else ""))
+    elif command == "describe":
+        _print_info(_admin(warehouse).describe(TxnId.parse(args.txn_id)))
+    elif command == "find-hanging":
+        now = datetime.now(timezone.utc)
+        hanging = _admin(warehouse).find_hanging(now, timedelta(seconds=args.held_back))
+        for info, reason in hanging:
+            print(f"{info.txn} ({info.state}, {info.source}, {info.transactional_id or 'no transactional id'}): {reason}")
+        print(f"{len(hanging)} hanging transaction(s)"
+              + (f"; abort one with `txnlake txn abort ID --why REASON`" if hanging else ""))
+    elif command == "abort":
+        from txn_engine.engine import Engine
+        from txn_engine.txn_admin import operator_abort
+
+        with Engine(warehouse) as engine:
+            info = operator_abort(engine, TxnId.parse(args.txn_id), args.who, args.why)
+        print(f"aborted by operator {args.who}:")
+        _print_info(info)
+    return 0

@@ -1,0 +1,33 @@
+"""The transaction engine as a Dagster resource: its settings, configured once in Definitions."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from txn_engine.engine import Engine
+from txn_engine.ledger_writer import RolloverPolicy
+from txn_engine.warehouse import Warehouse
+
+_DEFAULT = RolloverPolicy()
+
+
+class EngineResource(ConfigurableResource):
+    """Opens the warehouse's one engine (see txn_engine.engine: a second one is refused)."""
+
+    txn_groups: int = Field(default=1, description="Transaction groups of the coordinator log (txn_most_bits).")
+    rollover_max_entries: int = Field(default=_DEFAULT.max_entries, description="Roll a ledger over after this many entries.")
+    rollover_max_bytes: int = Field(default=_DEFAULT.max_bytes, description="... or this many payload+key bytes.")
+    rollover_max_age_seconds: float = Field(
+        default=_DEFAULT.max_age.total_seconds(), description="... or when it has been open this long."
+    )
+
+    def rollover(self) -> RolloverPolicy:
+        return RolloverPolicy(
+            self.rollover_max_entries, self.rollover_max_bytes, timedelta(seconds=self.rollover_max_age_seconds)
+        )
+
+    def open(self, warehouse: Warehouse) -> Engine:
+        return Engine(warehouse, txn_groups=self.txn_groups, rollover=self.rollover())

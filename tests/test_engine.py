@@ -1,0 +1,339 @@
+"""The transaction engine on real Delta tables: fencing, sequences, atomic commit, crashes, timeouts."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pyarrow.compute as pc
+import pytest
+
+from txn_engine.engine import Engine
+from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
+from txn_engine.positions import Position
+from txn_engine.schema import (
+    CONSUMER_OFFSETS,
+    CONSUMER_OFFSETS_SCHEMA,
+    LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
+    TXN_LOG,
+    TXN_LOG_SCHEMA,
+)
+from txn_engine.txn_errors import (
+    EngineLockedError,
+    EngineStoppedError,
+    InjectedCrash,
+    InvalidTxnStateError,
+    OutOfOrderSequenceError,
+    ProducerFencedError,
+    TransactionAbortedError,
+)
+
+
+class Clock:
+    def __init__(self):
+        self.now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+class CrashAt:
+    """A crash hook: raises InjectedCrash the `nth` time `point` is reached after arm()."""
+
+    def __init__(self, point: str, nth: int = 1):
+        self.point, self.nth, self.armed, self.seen = point, nth, False, 0
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, point: str) -> None:
+        if self.armed and point == self.point:
+            self.seen += 1
+            if self.seen == self.nth:
+                self.armed = False
+                raise InjectedCrash(f"injected crash at {point}")
+
+
+def entries(engine: Engine):
+    return engine.tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
+
+
+def markers_of(engine: Engine, txn) -> list[tuple[str, str]]:
+    e = entries(engine)
+    mask = pc.and_(pc.equal(e["txn_least_bits"], txn.least_bits), pc.not_equal(e["entry_type"], "DATA"))
+    rows = e.filter(mask).to_pylist()
+    return sorted((r["topic"], r["entry_type"]) for r in rows if r["txn_most_bits"] == txn.most_bits)
+
+
+def payloads(engine: Engine, topic: str) -> list[bytes]:
+    return [e.payload for e in engine.consumer(topic).read()]
+
+
+@pytest.fixture
+def engine(warehouse):
+    with Engine(warehouse) as e:
+        yield e
+
+
+def test_errors_say_what_happened_and_what_to_do(engine, warehouse):
+    p = engine.producer("app")
+    with pytest.raises(InvalidTxnStateError, match="call init_transactions\\(\\) first"):
+        p.begin()
+    p.init_transactions()
+    with pytest.raises(InvalidTxnStateError, match="no open transaction; call begin\\(\\) first"):
+        p.send("t", b"x")
+    p.begin()
+    with pytest.raises(InvalidTxnStateError, match="already has transaction .* open; commit\\(\\) or abort\\(\\) it"):
+        p.begin()
+    with pytest.raises(ValueError, match="topic must be a non-empty string"):
+        p.send("", b"x")
+    with pytest.raises(TypeError, match="bytes or str"):
+        p.send("t", 42)
+    with pytest.raises(ValueError, match="transaction_timeout must be positive"):
+        engine.producer("x", transaction_timeout=0)
+    with pytest.raises(EngineLockedError, match="another transaction engine is running on this warehouse .*pid"):
+        Engine(warehouse)
+
+
+def test_begin_send_commit_and_abort(engine):
+    p = engine.producer("app")
+    assert p.init_transactions() == (p.producer_id, 0)
+    txn = p.begin()
+    a = p.send("orders", b"a1")
+    b = p.send("payments", b"b1")
+    assert p.commit() == txn
+    p.begin()
+    p.send("orders", b"dropped")
+    p.abort()
+    assert payloads(engine, "orders") == [b"a1"]
+    assert payloads(engine, "payments") == [b"b1"]
+    assert a.result().entry_id == 0 and b.result().entry_id == 0
+    assert a.result().ledger_id != b.result().ledger_id  # ledger ids are unique across topics
+    states = engine.tables.read(TXN_LOG, TXN_LOG_SCHEMA).sort_by("log_seq")
+    mine = states.filter(pc.equal(states["txn_least_bits"], txn.least_bits))["state"].to_pylist()
+    assert mine == ["ONGOING", "PREPARE_COMMIT", "COMPLETE_COMMIT"]  # one ONGOING: both topics in one batch
+
+
+def test_fencing_two_instances_interleaved(engine):
+    old = engine.producer("etl")
+    pid, epoch = old.init_transactions()
+    old.begin()
+    old.send("orders", b"zombie-1")
+    old.send("payments", b"zombie-2").result()
+    old_txn = old.txn
+    new = engine.producer("etl")
+    assert new.init_transactions() == (pid, epoch + 1)
+    # The zombie's open transaction was aborted on both topics it touched.
+    assert markers_of(engine, old_txn) == [("orders", "ABORT"), ("payments", "ABORT")]
+    written = entries(engine).num_rows
+    for call in (lambda: old.send("orders", b"late"), old.commit, old.abort, old.begin):
+        with pytest.raises(ProducerFencedError, match="fenced by a newer instance .*Close this instance"):
+            call()
+    assert entries(engine).num_rows == written  # a fenced producer never writes
+    new.begin()
+    new.send("orders", b"fresh")
+    new.commit()
+    assert payloads(engine, "orders") == [b"fresh"]
+    assert payloads(engine, "payments") == []
+
+
+def test_duplicate_and_out_of_order_sends(engine, warehouse):
+    ip = engine.idempotent_producer()
+    first = ip.send("t", b"m0", sequence=0).result()
+    ip.send("t", b"m1", sequence=1).result()
+    assert ip.send("t", b"m0", sequence=0).result() == first  # a retry: original position
+    written = entries(engine).num_rows
+    with pytest.raises(OutOfOrderSequenceError, match="next expected is 2, so 3 send\\(s\\) before it are missing"):
+        ip.send("t", b"m5", sequence=5)
+    assert entries(engine).num_rows == written
+    p = engine.producer("tx")
+    p.init_transactions()
+    p.begin()
+    s0 = p.send("t", b"t0")
+    assert s0.sequence == 0
+    assert p.send("t", b"t0", sequence=0).result() == s0.result()
+    with pytest.raises(OutOfOrderSequenceError):
+        p.send("t", b"t9", sequence=9)
+    p.commit()
+    engine.send("t", b"plain").result()  # non-transactional sends interleave with the others
+    assert payloads(engine, "t") == [b"m0", b"m1", b"t0", b"plain"]
+    pid = ip.producer_id
+    engine.close()
+    with Engine(warehouse) as again:  # after a restart retries are still recognized (looked up in Delta)
+        retried = again.sequences.check(pid, "t", 0)
+        assert retried.result() == first
+        assert again.sequences.next_sequence(pid, "t") == 2
+
+
+def test_crash_after_prepare_then_recovery_writes_each_marker_once(warehouse):
+    crash = CrashAt(AFTER_PREPARE)
+    engine = Engine(warehouse, crash_hook=crash)
+    p = engine.producer("app")
+    p.init_transactions()
+    txn = p.begin()
+    p.send("a", b"1")
+    p.send("b", b"2").result()  # the data is durable; the crash hits the commit
+    p.send_offsets("group", {"in": Position(7, 3)})
+    crash.arm()
+    with pytest.raises(InjectedCrash):
+        p.commit()
+    with pytest.raises(EngineStoppedError, match="Start a new engine"):
+        engine.send("a", b"after crash")
+    engine.close()
+    assert markers_of(engine, txn) == []  # PREPARE durable, no marker yet
+    with Engine(warehouse) as recovered:
+        assert recovered.recovered == [txn]
+        assert markers_of(recovered, txn) == [("a", "COMMIT"), ("b", "COMMIT")]
+        assert payloads(recovered, "a") == [b"1"] and payloads(recovered, "b") == [b"2"]
+        offsets = recovered.tables.read(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA).to_pylist()
+        assert [(o["group_id"], o["topic"], o["ledger_id"], o["entry_id"]) for o in offsets] == [("group", "in", 7, 3)]
+        assert recovered.coordinator.txns[txn].state == "COMPLETE_COMMIT"
+    with Engine(warehouse) as third:  # nothing left to recover: no second marker
+        assert third.recovered == []
+        assert markers_of(third, txn) == [("a", "COMMIT"), ("b", "COMMIT")]
+
+
+def test_crash_between_markers_of_a_multi_topic_transaction(warehouse):
+    crash = CrashAt(AFTER_ENTRIES_CHUNK)
+    engine = Engine(warehouse, crash_hook=crash, max_rows_per_commit=1)  # one Delta commit per entry
+    p = engine.producer("app")
+    p.init_transactions()
+    txn = p.begin()
+    sent = [p.send(topic, topic.encode()) for topic in ("a", "b", "c")]
+    [s.result() for s in sent]
+    crash.arm()
+    with pytest.raises(InjectedCrash):
+        p.commit()
+    engine.close()
+    assert markers_of(engine, txn) == [("a", "COMMIT")]  # one marker durable, two missing
+    with Engine(warehouse) as recovered:
+        assert recovered.recovered == [txn]
+        assert markers_of(recovered, txn) == [("a", "COMMIT"), ("b", "COMMIT"), ("c", "COMMIT")]
+        assert [payloads(recovered, t) for t in "abc"] == [[b"a"], [b"b"], [b"c"]]
+
+
+def test_timeout_abort_and_the_late_commit(warehouse):
+    clock = Clock()
+    with Engine(warehouse, clock=clock) as engine:
+        p = engine.producer("slow", transaction_timeout=10)
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"late").result()
+        clock.now += timedelta(seconds=5)
+        assert engine.abort_expired() == []
+        clock.now += timedelta(seconds=6)
+        assert engine.abort_expired() == [txn]
+        assert markers_of(engine, txn) == [("t", "ABORT")]
+        with pytest.raises(TransactionAbortedError, match="aborted by coordinator \\(timed out.*Call abort\\(\\)"):
+            p.commit()
+        with pytest.raises(TransactionAbortedError):
+            p.send("t", b"more")
+        p.abort()  # clears the aborted transaction
+        p.begin()
+        p.send("t", b"next")
+        p.commit()
+        assert payloads(engine, "t") == [b"next"]
+
+
+def test_offsets_land_only_with_a_commit(engine):
+    p = engine.producer("ctp")
+    p.init_transactions()
+    p.begin()
+    p.send("out", b"x")
+    p.send_offsets("g1", {"in": Position(3, 10)})
+    p.abort()
+    assert engine.tables.read(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA).num_rows == 0
+    p.begin()
+    p.send("out", b"y")
+    p.send_offsets("g1", {"in": (3, 11)})
+    p.commit()
+    p.begin()
+    p.send_offsets("g1", {"in": (3, 12)})  # offsets alone make a transaction too
+    p.commit()
+    rows = engine.tables.read(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA).sort_by("log_seq").to_pylist()
+    assert [(r["group_id"], r["topic"], r["ledger_id"], r["entry_id"]) for r in rows] == [
+        ("g1", "in", 3, 11),
+        ("g1", "in", 3, 12),
+    ]
+
+
+def test_second_engine_is_refused_until_the_first_closes(warehouse):
+    first = Engine(warehouse)
+    with pytest.raises(EngineLockedError, match="One engine writes a warehouse at a time"):
+        Engine(warehouse)
+    first.close()
+    with Engine(warehouse) as second:
+        assert second.send("t", b"x").result() is not None
+
+
+def test_pipelined_commits_keep_many_transactions_in_flight(engine):
+    p = engine.producer("fast")
+    p.init_transactions()
+    futures = []
+    for i in range(5):
+        p.begin()
+        p.send("a", f"a{i}")
+        p.send("b", f"b{i}")
+        futures.append(p.commit_async())  # the next begin() does not wait for it
+    p.begin()
+    p.send("a", b"aborted")
+    p.abort()
+    for future in futures:
+        future.result()
+    assert payloads(engine, "a") == [f"a{i}".encode() for i in range(5)]
+    assert payloads(engine, "b") == [f"b{i}".encode() for i in range(5)]
+    # Each transaction was prepared only after its data was durable: its PREPARE row comes in a
+    # later group-commit round than its data, i.e. every marker is after the data it closes.
+    stored = entries(engine).to_pylist()
+    for topic in "ab":
+        kinds = [(r["txn_least_bits"], r["entry_type"]) for r in sorted(
+            (r for r in stored if r["topic"] == topic), key=lambda r: (r["ledger_id"], r["entry_id"]))]
+        for txn, kind in kinds:
+            if kind == "COMMIT":
+                assert (txn, "DATA") in kinds[: kinds.index((txn, kind))]
+
+
+def test_an_engine_in_another_process_is_refused_until_it_dies(warehouse, warehouse_root):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from txn_engine.engine import Engine\n"
+         "from txn_engine.settings import WarehouseSettings\n"
+         "from txn_engine.warehouse import Warehouse\n"
+         f"engine = Engine(Warehouse(None, WarehouseSettings(warehouse={str(warehouse_root)!r})))\n"
+         "print('ready', flush=True)\n"
+         "time.sleep(600)\n"],
+        stdout=subprocess.PIPE, text=True, cwd=os.getcwd(),
+    )
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        with pytest.raises(EngineLockedError, match=f"pid {child.pid} on"):
+            Engine(warehouse)
+    finally:
+        child.send_signal(signal.SIGKILL)  # a crash: the OS releases the lock
+        child.wait()
+    with Engine(warehouse) as engine:
+        assert engine.send("t", b"x").result() is not None
+
+
+def test_rollover_by_bytes_and_by_age(warehouse):
+    clock = Clock()
+    policy = RolloverPolicy(max_entries=1000, max_bytes=10, max_age=timedelta(minutes=5))
+    with Engine(warehouse, rollover=policy, clock=clock) as engine:
+        by_bytes = [engine.send("t", b"123456").result() for _ in range(3)]  # 6 + 6 bytes reach 10
+        assert [p.entry_id for p in by_bytes] == [0, 1, 0]
+        clock.now += timedelta(minutes=6)
+        aged = engine.send("t", b"1").result()
+        assert aged.entry_id == 0 and aged.ledger_id > by_bytes[2].ledger_id
+        with pytest.raises(ValueError, match="rollover limits must be positive"):
+            RolloverPolicy(max_entries=0)
+    states = engine.tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA)
+    reasons = sorted(states["reason"].to_pylist())
+    assert len(reasons) == 2 and reasons[0].startswith("rollover: 12 bytes") and "open for" in reasons[1]

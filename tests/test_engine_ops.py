@@ -1,0 +1,108 @@
+"""The engine in Dagster and the operators' tools, end to end on real tables and real runs."""
+
+from __future__ import annotations
+
+import time
+
+import pyarrow.compute as pc
+from dagster import AssetKey, RunRequest, build_sensor_context, materialize
+
+from assets.engine import abort_expired_job, demo_workload, txn_timeout_sensor
+from pipelines.cli import main
+from pipelines.definitions import DERIVED_SELECTION, defs
+from tests.rows import entry, write_jsonl
+from txn_engine.delta_io import DeltaTables
+from txn_engine.engine import Engine
+from txn_engine.ingest import ingest_files
+from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, TXN_LOG, TXN_LOG_SCHEMA
+from txn_engine.transaction_buffer import TxnId
+from txn_engine.txn_admin import TxnAdmin
+
+
+def test_demo_workload_asset_runs_only_when_asked(dagster_resources, warehouse):
+    assert AssetKey("demo_workload") not in DERIVED_SELECTION.resolve(defs.resolve_asset_graph())
+    config = {"producers": 3, "transactions_per_producer": 6, "timeout_ratio": 0.2, "abort_ratio": 0.2, "seed": 1}
+    result = materialize(
+        [demo_workload],
+        resources=dagster_resources,
+        run_config={"ops": {"demo_workload": {"config": config}}},
+    )
+    assert result.success
+    meta = result.get_asset_materialization_events()[0].event_specific_data.materialization.metadata
+    outcome = meta["outcome"].value
+    assert outcome["fenced_sends_refused"] == 1
+    assert outcome["committed"] > 0 and outcome["aborted"] > 0
+    assert outcome["timed_out"] == outcome["late_commits_refused"] > 0
+    infos = TxnAdmin(DeltaTables(warehouse)).transactions().values()
+    states = [i.state for i in infos]
+    assert states.count("COMPLETE_COMMIT") == outcome["committed"]
+    assert "ONGOING" not in states  # everything the workload opened was decided
+    assert meta["rows"].value == warehouse.read(LEDGER_ENTRIES).count()
+
+
+def test_timeout_sensor_launches_the_abort(warehouse, dagster_resources):
+    with Engine(warehouse) as engine:
+        p = engine.producer("sleepy", transaction_timeout=0.05)
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"x").result()
+    resources = {"warehouse": dagster_resources["warehouse"]}
+    context = build_sensor_context(resources=resources)
+    time.sleep(0.1)
+    request = txn_timeout_sensor(context)
+    assert isinstance(request, RunRequest) and str(txn) in request.run_key
+    result = abort_expired_job.execute_in_process(resources=dagster_resources)
+    assert result.success
+    assert TxnAdmin(DeltaTables(warehouse)).describe(txn).state == "COMPLETE_ABORT"
+    assert txn_timeout_sensor(build_sensor_context(resources=resources)).skip_message
+
+
+def test_txn_tools_on_a_transaction_known_only_from_ingested_ledgers(warehouse, warehouse_root, tmp_path, capsys):
+    old = "2026-01-01T00:00:00Z"
+    rows = [
+        entry("a", 10, 0, txn=(1, 7), producer=50, seq=0, publish_time=old),
+        entry("b", 11, 0, txn=(1, 7), producer=50, seq=0, publish_time=old),
+        entry("a", 10, 1, producer=51, seq=0, publish_time=old),
+        entry("a", 10, 2, txn=(1, 8), producer=52, seq=0, publish_time=old),
+        entry("a", 10, 3, "COMMIT", txn=(1, 8)),
+    ]
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "in.jsonl", rows))])
+    assert main(["txn", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "1:7" in out and "ONGOING" in out and "ledgers" in out and "1:8" in out and "COMPLETE_COMMIT" in out
+    assert main(["txn", "find-hanging", "--held-back", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "holds a back at 10:0" in out and "4 entries behind it" in out and "holds b back at 11:0" in out
+    assert "1:8" not in out
+    assert main(["txn", "abort", "1:7", "--who", "alice", "--why", "stuck producer"]) == 0
+    out = capsys.readouterr().out
+    assert "topic a: ABORTED" in out and "topic b: ABORTED" in out and "by operator:alice: stuck producer" in out
+    tables = DeltaTables(warehouse)
+    stored = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
+    markers = stored.filter(pc.equal(stored["entry_type"], "ABORT"))
+    assert sorted(markers["topic"].to_pylist()) == ["a", "b"]
+    assert main(["txn", "abort", "1:7", "--why", "again"]) == 2
+    assert "nothing to abort" in capsys.readouterr().err
+    assert main(["txn", "abort", "1:8", "--why", "oops"]) == 2
+    assert "is committed (COMMIT markers on a); nothing to abort" in capsys.readouterr().err
+    assert main(["txn", "describe", "5:5"]) == 2
+    assert "neither in txn_log nor in any ledger" in capsys.readouterr().err
+    assert main(["txn", "find-hanging", "--held-back", "60"]) == 0
+    assert "0 hanging" in capsys.readouterr().out
+
+
+def test_operator_abort_of_an_engine_transaction_is_recorded(warehouse, capsys):
+    with Engine(warehouse) as engine:
+        p = engine.producer("app")
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"x").result()
+    assert main(["txn", "describe", str(txn)]) == 0
+    assert "ONGOING" in capsys.readouterr().out
+    assert main(["txn", "abort", str(txn), "--who", "bob", "--why", "hung"]) == 0
+    log = DeltaTables(warehouse).read(TXN_LOG, TXN_LOG_SCHEMA).sort_by("log_seq").to_pylist()
+    last = [r for r in log if r["txn_least_bits"] == txn.least_bits][-1]
+    assert (last["state"], last["actor"], last["reason"]) == ("COMPLETE_ABORT", "operator:bob", "hung")
+    with Engine(warehouse) as engine:
+        assert engine.consumer("t").read() == []
+        assert TxnAdmin(engine.tables).describe(TxnId(txn.most_bits, txn.least_bits)).state == "COMPLETE_ABORT"

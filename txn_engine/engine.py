@@ -1,0 +1,145 @@
+"""The transaction engine: producers write through it into the ledgers; one engine per warehouse.
+
+Several engines on one warehouse would each hand out producer ids, epochs, transaction ids and
+ledger positions from their own memory, so fencing and exactly-once markers would break. The
+rule: one engine per warehouse, enforced by an exclusive lock file (`<lock dir>/engine.lock`,
+the same folder as the table writer locks) held for the engine's lifetime. A second engine, in
+this process or another, is refused with an error naming the holder. Ingest and the Spark jobs
+are not engines: they keep writing their tables under the per-table locks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from concurrent.futures import Future
+from datetime import datetime, timedelta, timezone
+from typing import Callable
+
+from txn_engine.consumer import Consumer
+from txn_engine.coordinator import TransactionCoordinator
+from txn_engine.delta_io import DeltaTables
+from txn_engine.ledger_writer import LedgerWriter, PendingEntry, RolloverPolicy, WriteRequest
+from txn_engine.positions import EARLIEST, Position
+from txn_engine.producer import IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_topic, _payload
+from txn_engine.transaction_buffer import EntryType, TxnId
+from txn_engine.txn_errors import EngineLockedError
+from txn_engine.warehouse import Warehouse
+
+ENGINE_LOCK = "engine"
+
+
+def utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class EngineLock:
+    """The warehouse's exclusive engine lock (flock: released when the holder exits, even killed)."""
+
+    def __init__(self, warehouse: Warehouse):
+        self.path = warehouse.settings.lock_path(ENGINE_LOCK)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self.path.read_text().strip() or "unknown"
+            os.close(self._fd)
+            raise EngineLockedError(
+                f"another transaction engine is running on this warehouse ({holder}; lock {self.path}). "
+                "One engine writes a warehouse at a time: send through that engine, or stop it and retry."
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()} since {utc_now():%Y-%m-%d %H:%M:%S} UTC".encode())
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class Engine:
+    """The facade: coordinator, ledger writer, producer states, consumers. Use as a context manager."""
+
+    def __init__(
+        self,
+        warehouse: Warehouse,
+        *,
+        txn_groups: int = 1,
+        rollover: RolloverPolicy | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        crash_hook: Callable[[str], None] | None = None,
+        max_rows_per_commit: int = 100_000,
+    ):
+        self.warehouse = warehouse
+        self.clock = clock
+        self._lock = EngineLock(warehouse)
+        try:
+            self.tables = DeltaTables(warehouse)
+            self.writer = LedgerWriter(self.tables, clock, rollover or RolloverPolicy(), max_rows_per_commit, crash_hook)
+            self.coordinator = TransactionCoordinator(self.tables, self.writer, clock, txn_groups)
+            self.sequences = ProducerStateManager(self.tables)
+            self.recovered: list[TxnId] = self.coordinator.recover()
+            self.writer.start()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    # -- producers ---------------------------------------------------------------------------
+
+    def producer(self, transactional_id: str, transaction_timeout: timedelta | float = 60.0) -> TransactionalProducer:
+        """A transactional producer; call its init_transactions() before anything else."""
+        return TransactionalProducer(self, transactional_id, transaction_timeout)
+
+    def idempotent_producer(self) -> IdempotentProducer:
+        """A non-transactional producer with sequence numbers (a fresh producer id)."""
+        return IdempotentProducer(self, self.coordinator.register_idempotent_producer())
+
+    def send(self, topic: str, value: bytes | str, key: str | None = None) -> SendFuture:
+        """A plain non-transactional, non-idempotent send."""
+        _check_topic(topic)
+        entry = PendingEntry(topic, EntryType.DATA.value, key=key, payload=_payload(value))
+        return SendFuture(self.writer.submit(WriteRequest(entries=[entry])))
+
+    def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, batch, flush,
+                       txn: TxnId | None = None) -> SendFuture:
+        """The de-duplicating send path, into the producer's batch; call under `coordinator.lock`."""
+        seq = self.sequences.next_sequence(producer_id, topic) if sequence is None else int(sequence)
+        original = self.sequences.check(producer_id, topic, seq)
+        if original is not None:
+            return original  # a retry: acknowledged with its original position
+        entry = PendingEntry(
+            topic, EntryType.DATA.value, None if txn is None else txn.most_bits, None if txn is None else txn.least_bits,
+            producer_id, epoch, seq, key, payload,
+        )
+        future, index = batch.add(entry)
+        send = SendFuture(future, index, seq, flush)
+        self.sequences.record(producer_id, topic, seq, send)
+        if batch.full:
+            flush()
+        return send
+
+    # -- coordinator -------------------------------------------------------------------------
+
+    def abort_expired(self, now: datetime | None = None) -> list[TxnId]:
+        """Abort every transaction open past its timeout; returns their ids."""
+        return self.coordinator.abort_expired(now)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def consumer(self, topic: str, start: Position = EARLIEST) -> Consumer:
+        return Consumer(self.tables, topic, start)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting writes, finish the queued ones, release the warehouse."""
+        self.writer.stop()
+        self._lock.release()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
