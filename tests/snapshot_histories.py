@@ -16,7 +16,7 @@ from txn_engine.snapshots import Crash, SnapshotConfig, SnapshotLog, SnapshotSeg
 from txn_engine.transaction_buffer import LogEntry, TxnId, TopicTransactionBuffer
 
 OPS = ("data", "data", "txn_data", "txn_data", "txn_data", "commit", "abort", "abort", "roll",
-       "snapshot", "delete", "compact")
+       "snapshot", "snapshot", "delete", "delete", "compact")
 
 
 @dataclass
@@ -114,7 +114,7 @@ def _raise() -> None:
     raise Crash("crash during compaction")
 
 
-op_lists = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 1000)), min_size=1, max_size=60)
+op_lists = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 1000)), min_size=10, max_size=80)
 
 
 def full_replay(history: History) -> tuple[Position, tuple]:

@@ -148,10 +148,10 @@ SNAPSHOT_STATES = ("NO_SNAPSHOT", "INITIALIZING", "READY")
 # One aborted transaction inside a snapshot: the transaction and its abort marker's position.
 ABORT_STRUCT = StructType(
     [
-        StructField("txn_most_bits", LongType(), False),
-        StructField("txn_least_bits", LongType(), False),
-        StructField("ledger_id", LongType(), False),
-        StructField("entry_id", LongType(), False),
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("ledger_id", LongType(), True),
+        StructField("entry_id", LongType(), True),
     ]
 )
 
@@ -163,7 +163,7 @@ TXN_SNAPSHOT_SEGMENTS_SCHEMA = StructType(
         StructField("topic", StringType(), False),
         StructField("max_read_ledger_id", LongType(), False),
         StructField("max_read_entry_id", LongType(), False),
-        StructField("aborts", ArrayType(ABORT_STRUCT, False), False),
+        StructField("aborts", ArrayType(ABORT_STRUCT, True), True),
         StructField("write_seq", LongType(), False),
         StructField("snapshot_id", LongType(), True),
         StructField("segment_index", IntegerType(), True),
@@ -179,7 +179,7 @@ RECOVERED_BUFFER_STATE_SCHEMA = StructType(
         StructField("topic", StringType(), False),
         StructField("max_read_ledger_id", LongType(), False),
         StructField("max_read_entry_id", LongType(), False),
-        StructField("aborts", ArrayType(ABORT_STRUCT, False), False),
+        StructField("aborts", ArrayType(ABORT_STRUCT, True), True),
         StructField("snapshot_id", LongType(), True),
         StructField("source", StringType(), False),  # SNAPSHOT or FULL_REPLAY
         StructField("fallback_reason", StringType(), True),  # why FULL_REPLAY, when it is
