@@ -394,73 +394,92 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
 
     `entries`: ledger_entries; `segments`: txn_snapshot_segments; `deleted`: (topic, ledger_id)
     of DELETED ledgers. Collects the (tiny) per-topic snapshot index to plan the replay.
+
+    The snapshot's abort set stays an array from segments to result: trimmed with a filter, and
+    followed by the replay's new aborts, which all lie after it (a new abort's marker comes after
+    the snapshot's last entry, or the snapshot would hold it); should they not, the whole set is
+    sorted. Only the aborted transactions that the replay meets are exploded.
     """
     require_ledger_entries(entries)
     spark = entries.sparkSession
     index = live_snapshots(segments).localCheckpoint()
-    usable = index.where(F.col("fallback_reason").isNull())
     deleted = deleted.select("topic", "ledger_id").distinct()
-    snap = usable.select("topic", "snapshot_id", F.col("max_read_ledger_id").alias("_sl"),
-                         F.col("max_read_entry_id").alias("_se"))
-    snapshot_aborts = (
-        usable.select("topic", F.explode("aborts").alias("a"))
-        .select("topic", "a.txn_most_bits", "a.txn_least_bits", F.col("a.ledger_id").alias("abort_ledger_id"),
-                F.col("a.entry_id").alias("abort_entry_id"))
-        .join(F.broadcast(deleted.withColumnRenamed("ledger_id", "abort_ledger_id")), ["topic", "abort_ledger_id"],
-              "left_anti")
+    deleted_by_topic = deleted.groupBy("topic").agg(F.collect_set("ledger_id").alias("_deleted"))
+    not_deleted = lambda a: ~F.coalesce(F.array_contains(F.col("_deleted"), a["ledger_id"]), F.lit(False))  # noqa: E731
+    snap = (
+        index.where(F.col("fallback_reason").isNull())
+        .join(F.broadcast(deleted_by_topic), "topic", "left")
+        .select("topic", "snapshot_id", F.col("max_read_ledger_id").alias("_sl"),
+                F.col("max_read_entry_id").alias("_se"), F.filter("aborts", not_deleted).alias("_kept"))
     )
-    replay = _replay_input(spark, entries, snap, snapshot_aborts, deleted)
+    positions = snap.select("topic", "snapshot_id", "_sl", "_se")
+    replay = _replay_input(spark, entries, positions, snap.select("topic", "_kept"), deleted)
     facts = classify_entries(replay)
-    stable = stable_from_facts(facts)
-    aborts = aborted_from_facts(facts).unionByName(snapshot_aborts.select(*aborted_from_facts(facts).columns))
-    ordered = abort_sets(aborts)
     replayed = replay.where(~F.col("_anchor")).groupBy("topic").agg(F.count("*").alias("replayed_entries"))
     reasons = index.select("topic", F.col("fallback_reason").alias("_reason"))
-    result = (
-        stable.join(ordered, "topic", "left")
-        .join(snap.select("topic", "snapshot_id"), "topic", "left")
+    joined = (
+        stable_from_facts(facts)
+        .join(abort_sets(aborted_from_facts(facts)).withColumnRenamed("aborts", "_new"), "topic", "left")
+        .join(snap.select("topic", "snapshot_id", "_kept"), "topic", "left")
         .join(reasons, "topic", "left")
         .join(replayed, "topic", "left")
-        .select(
-            "topic", "max_read_ledger_id", "max_read_entry_id", F.coalesce(F.col("aborts"), _empty_aborts()).alias("aborts"), "snapshot_id",
-            F.when(F.col("snapshot_id").isNotNull(), F.lit(Source.SNAPSHOT.value))
-            .otherwise(F.lit(Source.FULL_REPLAY.value)).alias("source"),
-            F.when(F.col("snapshot_id").isNull(), F.coalesce("_reason", F.lit("no snapshot yet"))).alias("fallback_reason"),
-            F.coalesce("replayed_entries", F.lit(0)).alias("replayed_entries"),
-        )
+    )
+    kept, new = F.coalesce("_kept", _empty_aborts()), F.coalesce("_new", _empty_aborts())
+    in_order = (F.size(kept) == 0) | (F.size(new) == 0) | position_lt(
+        F.element_at(kept, -1)["ledger_id"], F.element_at(kept, -1)["entry_id"],
+        F.element_at(new, 1)["ledger_id"], F.element_at(new, 1)["entry_id"])
+    aborts = F.when(in_order, F.concat(kept, new)).otherwise(_sorted_by_position(F.concat(kept, new)))
+    result = joined.select(
+        "topic", "max_read_ledger_id", "max_read_entry_id", aborts.alias("aborts"), "snapshot_id",
+        F.when(F.col("snapshot_id").isNotNull(), F.lit(Source.SNAPSHOT.value))
+        .otherwise(F.lit(Source.FULL_REPLAY.value)).alias("source"),
+        F.when(F.col("snapshot_id").isNull(), F.coalesce("_reason", F.lit("no snapshot yet"))).alias("fallback_reason"),
+        F.coalesce("replayed_entries", F.lit(0)).alias("replayed_entries"),
     )
     return conform(result, RECOVERED_BUFFER_STATE_SCHEMA)
 
 
-def _replay_input(spark, entries: DataFrame, snap: DataFrame, snapshot_aborts: DataFrame, deleted: DataFrame) -> DataFrame:
+def _sorted_by_position(aborts: Column) -> Column:
+    by_position = F.array_sort(F.transform(aborts, lambda a: F.struct(
+        a["ledger_id"].alias("l"), a["entry_id"].alias("e"), a["txn_most_bits"].alias("m"), a["txn_least_bits"].alias("t"))))
+    return F.transform(by_position, lambda a: F.struct(
+        a["m"].alias("txn_most_bits"), a["t"].alias("txn_least_bits"), a["l"].alias("ledger_id"), a["e"].alias("entry_id")))
+
+
+def _replay_input(spark, entries: DataFrame, snap: DataFrame, kept: DataFrame, deleted: DataFrame) -> DataFrame:
     """The entries the buffer jobs replay, with the snapshot's state carried in:
 
     - topics without a usable snapshot: all their entries (a full replay);
-    - topics with one: the entries after its max read position, where every entry of a
-      transaction in the snapshot's abort set is made plain (no transaction, no sequence): such a
-      transaction is closed, so a later marker is a duplicate and later data is late, both only
-      moving the log's end, exactly as the full replay treats them;
+    - topics with one (`snap`: topic, snapshot_id, _sl, _se): the entries after its max read
+      position, where every entry of a transaction in the snapshot's trimmed abort set (`kept`:
+      topic, _kept) is made plain (no transaction, no sequence): such a transaction is closed, so
+      a later marker is a duplicate and later data is late, both only moving the log's end,
+      exactly as the full replay treats them;
     - plus, per snapshot topic, one plain "anchor" entry at the last remaining position at or
       before the max read position: the log's end so far and the previous non-empty ledger of the
       position-before rule. It is the max read position itself unless that ledger was deleted.
     A `_anchor` column tells the anchors apart.
     """
-    snap_keys = F.broadcast(snap)
-    with_snap = entries.join(snap_keys, "topic", "left")
+    with_snap = entries.join(F.broadcast(snap), "topic", "left")
     no_snapshot = with_snap.where(F.col("_sl").isNull()).select(*LEDGER_ENTRY_COLUMNS)
     after = with_snap.where(F.col("_sl").isNotNull() & position_lt(F.col("_sl"), F.col("_se"), F.col("ledger_id"),
                                                                      F.col("entry_id")))
-    closed = snapshot_aborts.select(*TXN_KEY).withColumn("_closed", F.lit(True))
-    after = after.join(closed, list(TXN_KEY), "left")
+    # The replay after a snapshot is short (the triggers keep it so): broadcast its transactions
+    # and explode only the snapshot's aborts, never shuffle them.
+    met = after.where(has_txn()).select(*TXN_KEY).distinct()
+    closed = (
+        kept.select("topic", F.explode("_kept").alias("a"))
+        .select("topic", F.col("a.txn_most_bits").alias("txn_most_bits"), F.col("a.txn_least_bits").alias("txn_least_bits"))
+        .join(F.broadcast(met), list(TXN_KEY), "left_semi")
+        .withColumn("_closed", F.lit(True))
+    )
+    after = after.join(F.broadcast(closed), list(TXN_KEY), "left")
     plain = F.col("_closed").isNotNull()
+    made_plain = ("entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id")
     after = after.select(
-        "topic", "ledger_id", "entry_id",
+        *[c for c in LEDGER_ENTRY_COLUMNS if c not in made_plain],
         F.when(plain, F.lit("DATA")).otherwise(F.col("entry_type")).alias("entry_type"),
-        *[F.when(plain, F.lit(None)).otherwise(F.col(c)).alias(c)
-          for c in ("txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id")],
-        *[c for c in LEDGER_ENTRY_COLUMNS if c not in
-          ("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits", "producer_id",
-           "producer_epoch", "sequence_id")],
+        *[F.when(plain, F.lit(None)).otherwise(F.col(c)).alias(c) for c in made_plain[1:]],
     ).select(*LEDGER_ENTRY_COLUMNS)
     anchors = _anchors(spark, entries, snap, deleted)
     return (
