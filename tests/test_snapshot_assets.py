@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta, timezone
+
 from dagster import AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipReason, build_schedule_context, \
     build_sensor_context, materialize
 
@@ -21,6 +23,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_STATE,
 )
+from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_states
 from txn_engine.transaction_buffer import LogEntry
 
 BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
@@ -41,7 +44,7 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     entries = aborted_history("busy", 5) + [LogEntry("plain", 900, 0, "DATA"), LogEntry("plain", 900, 1, "DATA")]
     warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, entries))
     result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
-                         run_config=run_config())
+                         run_config=run_config(compact=False))
     assert result.success
     # The first snapshot as soon as a topic has transactional data; none for a topic without.
     states = {r.topic: r for r in warehouse.read(TXN_SNAPSHOT_STATE).collect()}
@@ -54,23 +57,28 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     assert recovered["busy"]["source"] == "SNAPSHOT" and recovered["plain"]["source"] == "FULL_REPLAY"
     for topic in ("busy", "plain"):
         assert as_truth(recovered[topic]) == truth(entries, topic)
-    [check] = result.get_asset_check_evaluations()
-    assert check.check_name == "recovered_state_equals_full_replay" and check.passed
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["recovered_state_equals_full_replay"].passed
 
-    # More aborts: below the change threshold nothing is due; at it, a new snapshot is taken.
+    # More aborts: the triggers (changes since the snapshot, the interval), then a new snapshot.
     more = entries + [LogEntry("busy", 110, i, kind, 8, i // 2) for i, kind in enumerate(["DATA", "ABORT"] * 2)]
     warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, more))
+    segments = read_segments(warehouse).localCheckpoint()
+    taken = states["busy"].last_snapshot_at.replace(tzinfo=timezone.utc)
+
+    def busy(triggers, now):
+        return snapshot_states(warehouse.read(LEDGER_ENTRIES), segments, triggers, now).where("topic = 'busy'").first()
+    assert (busy(TriggerConfig(max_changes=3), taken).changes_since_snapshot, busy(TriggerConfig(3), taken).due) == (2, False)
+    assert busy(TriggerConfig(max_changes=2), taken).due
+    assert busy(TriggerConfig(max_changes=3, interval_seconds=60), taken + timedelta(seconds=61)).due
     result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
-                         run_config=run_config(max_changes=3))
-    assert metadata_of(result, TXN_SNAPSHOT_SEGMENTS)["topics_snapshotted"] == 0
-    state = warehouse.read(TXN_SNAPSHOT_STATE).where("topic = 'busy'").first()
-    assert (state.changes_since_snapshot, state.due) == (2, False)
-    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
-                         run_config=run_config(max_changes=2))
+                         run_config=run_config(max_changes=2, compact=True))
     assert metadata_of(result, TXN_SNAPSHOT_SEGMENTS)["topics_snapshotted"] == 1
     state = warehouse.read(TXN_SNAPSHOT_STATE).where("topic = 'busy'").first()
     assert (state.state, state.abort_count, state.changes_since_snapshot) == ("READY", 7, 0)
     assert all(c.passed for c in result.get_asset_check_evaluations())
+    # Compaction dropped the first snapshot's rows: only the live snapshot's keys are left.
+    assert sorted(r.snapshot_key for r in read_segments(warehouse).collect()) == ["busy-1", "busy-2", "busy-3", "busy-end"]
 
     # The check fails when the recovered table disagrees with the full replay.
     wrong = warehouse.read(RECOVERED_BUFFER_STATE).withColumn("max_read_entry_id", F.lit(-5).cast("long"))

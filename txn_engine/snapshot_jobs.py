@@ -231,14 +231,15 @@ def write_snapshots(
 def _append_with_write_seq(warehouse: Warehouse, rows: DataFrame) -> int:
     """Append segment rows with write_seq after every existing one, read and committed under the lock."""
     table = TXN_SNAPSHOT_SEGMENTS
+    n = rows.count()
+    if not n:
+        return 0
     with warehouse.writer(table):
         base = _max_write_seq(warehouse)
         in_write_order = Window.orderBy("topic", "segment_index", "snapshot_key")  # few rows: one partition is fine
         numbered = rows.withColumn("write_seq", F.row_number().over(in_write_order) + F.lit(base))
-        stamped = conform(numbered.withColumn("written_at", F.current_timestamp()), TXN_SNAPSHOT_SEGMENTS_SCHEMA).localCheckpoint()
-        n = stamped.count()
-        if n:
-            retry_delta_conflicts(lambda: stamped.write.format("delta").mode("append").save(warehouse.path(table)))
+        stamped = conform(numbered.withColumn("written_at", F.current_timestamp()), TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+        retry_delta_conflicts(lambda: stamped.write.format("delta").mode("append").save(warehouse.path(table)))
     return n
 
 
@@ -264,7 +265,7 @@ def _write_tombstones(warehouse: Warehouse, ids: dict[str, int], counts: dict[st
             F.lit(0).alias("segment_count"), F.lit(0).cast("long").alias("abort_count"), F.lit(True).alias("tombstone"),
         )
     )
-    return _append_with_write_seq(warehouse, stale)
+    return _append_with_write_seq(warehouse, stale.localCheckpoint())
 
 
 # -- compaction ---------------------------------------------------------------------------------
@@ -425,9 +426,9 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
         .join(replayed, "topic", "left")
     )
     kept, new = F.coalesce("_kept", _empty_aborts()), F.coalesce("_new", _empty_aborts())
+    last_kept, first_new = F.try_element_at(kept, F.lit(-1)), F.try_element_at(new, F.lit(1))
     in_order = (F.size(kept) == 0) | (F.size(new) == 0) | position_lt(
-        F.element_at(kept, -1)["ledger_id"], F.element_at(kept, -1)["entry_id"],
-        F.element_at(new, 1)["ledger_id"], F.element_at(new, 1)["entry_id"])
+        last_kept["ledger_id"], last_kept["entry_id"], first_new["ledger_id"], first_new["entry_id"])
     aborts = F.when(in_order, F.concat(kept, new)).otherwise(_sorted_by_position(F.concat(kept, new)))
     result = joined.select(
         "topic", "max_read_ledger_id", "max_read_entry_id", aborts.alias("aborts"), "snapshot_id",
