@@ -27,6 +27,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import (
+    NARROW_COLUMNS,
     TXN_KEY,
     aborted_from_facts,
     classify_entries,
@@ -42,6 +43,7 @@ from txn_engine.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
     LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     RECOVERED_BUFFER_STATE_SCHEMA,
     STABLE_POSITIONS,
@@ -51,6 +53,9 @@ from txn_engine.schema import (
 )
 from txn_engine.snapshots import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
+
+# Columns the buffer jobs' facts never read (buffer_jobs.NARROW_COLUMNS are the ones they do).
+UNUSED_BY_REPLAY = tuple(c for c in LEDGER_ENTRY_COLUMNS if c not in NARROW_COLUMNS)
 
 # The writer's steps, in order; `after_commit` hooks receive them (tests inject crashes there).
 PARTS, ENDS, TOMBSTONES = "parts", "ends", "tombstones"
@@ -192,10 +197,10 @@ def write_snapshots(
         return SnapshotWriteSummary([], {}, 0, 0, 0)
     aborted = aborted if aborted is not None else warehouse.read(ABORTED_TXNS)
     stable = stable if stable is not None else warehouse.read(STABLE_POSITIONS)
-    missing = {r.topic for r in stable.select("topic").where(F.col("topic").isin(topics)).collect()}
-    if set(topics) - missing:
+    known = {r.topic for r in stable.select("topic").where(F.col("topic").isin(topics)).collect()}
+    if set(topics) - known:
         raise ValueError(
-            f"no stable position for topic(s) {sorted(set(topics) - missing)[:5]}; materialize stable_positions "
+            f"no stable position for topic(s) {sorted(set(topics) - known)[:5]}; materialize stable_positions "
             "(the transaction_buffer assets) after ingesting their entries, then snapshot again"
         )
     ids = dict(snapshot_ids or {})
@@ -413,8 +418,13 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
         .select("topic", "snapshot_id", F.col("max_read_ledger_id").alias("_sl"),
                 F.col("max_read_entry_id").alias("_se"), F.filter("aborts", not_deleted).alias("_kept"))
     )
+    snap = snap.localCheckpoint()
     positions = snap.select("topic", "snapshot_id", "_sl", "_se")
-    replay = _replay_input(spark, entries, positions, snap.select("topic", "_kept"), deleted)
+    # Materialized once, narrow: the buffer jobs scan their input several times, and the replay
+    # needs no payload, so ledger_entries is read once and only its narrow columns.
+    replay = _replay_input(spark, entries, positions, snap.select("topic", "_kept"), deleted).select(
+        *[F.lit(None).cast(f.dataType).alias(f.name) if f.name in UNUSED_BY_REPLAY else F.col(f.name)
+          for f in LEDGER_ENTRIES_SCHEMA.fields], "_anchor").localCheckpoint()
     facts = classify_entries(replay)
     replayed = replay.where(~F.col("_anchor")).groupBy("topic").agg(F.count("*").alias("replayed_entries"))
     reasons = index.select("topic", F.col("fallback_reason").alias("_reason"))
