@@ -17,6 +17,7 @@ from pathlib import Path
 BENCHMARKS = {
     "buffer": "benchmarks.buffer_bench",
     "engine": "benchmarks.engine_bench",
+    "snapshots": "benchmarks.snapshot_bench",
 }
 
 

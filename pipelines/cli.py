@@ -93,6 +93,23 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_snapshot(args: argparse.Namespace) -> int:
+    from dagster import AssetSelection
+
+    from assets.snapshots import GROUP
+
+    config = {"force": args.force}
+    if args.max_aborts_per_segment is not None:
+        config["max_aborts_per_segment"] = args.max_aborts_per_segment
+    if args.max_segment_bytes is not None:
+        config["max_segment_bytes"] = args.max_segment_bytes
+    result = _materialize(AssetSelection.groups(GROUP), {"ops": {"txn_snapshot_segments": {"config": config}}})
+    _print_materializations(result)
+    for check in result.get_asset_check_evaluations():
+        print(f"  check {check.check_name}: {'passed' if check.passed else 'FAILED'}")
+    return 0 if all(c.passed for c in result.get_asset_check_evaluations()) else 1
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from txn_engine.generate import generate_ledger_file
 
@@ -139,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="a .sql file, e.g. dbt-free-sql/ledger_sizes.sql")
     p.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
     p.set_defaults(func=cmd_sql)
+
+    p = sub.add_parser("snapshot", help="take the due transaction-buffer snapshots, compact, recover and check")
+    p.add_argument("--force", action="store_true", help="snapshot every topic with transactional data")
+    p.add_argument("--max-aborts-per-segment", type=int, help="aborts per segment at most (default 100000)")
+    p.add_argument("--max-segment-bytes", type=int, help="bytes per segment at most (default 5 MiB)")
+    p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("generate", help="write a realistic raw ledger file (deterministic per seed)")
     p.add_argument("out", help="output file: .parquet, .jsonl or .csv")

@@ -13,6 +13,8 @@ from dagster import AssetSelection, Definitions, define_asset_job, in_process_ex
 
 from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
 from assets.ledger import ingest_ledger_entries, ledgers
+from assets.snapshots import GROUP as SNAPSHOT_GROUP
+from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
 from resources.engine import EngineResource
@@ -20,12 +22,19 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
-ALL_ASSETS = [ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets(), demo_workload]
-ALL_CHECKS = [*BUFFER_CHECKS]
+ALL_ASSETS = [
+    ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets(), demo_workload, *SNAPSHOT_ASSETS,
+]
+ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS]
 
 # Everything derived from what the warehouse already holds; ingest adds data and is not in it.
 # The demo workload writes through the engine: it runs only when asked (`txnlake demo`, its job).
-DERIVED_SELECTION = AssetSelection.all() - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
+# Snapshots have their own loop (take_snapshots: sensor + schedule), as a broker's timer does.
+DERIVED_SELECTION = (
+    AssetSelection.all()
+    - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
+    - AssetSelection.groups(SNAPSHOT_GROUP)
+)
 
 derive_all_job = define_asset_job(
     "derive_all",
@@ -49,8 +58,9 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, demo_job, abort_expired_job],
-    sensors=[txn_timeout_sensor],
+    jobs=[derive_all_job, ingest_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS],
+    sensors=[txn_timeout_sensor, *SNAPSHOT_SENSORS],
+    schedules=[*SNAPSHOT_SCHEDULES],
     resources=RESOURCES,
     executor=in_process_executor,
 )

@@ -192,3 +192,67 @@ CONSUMER_OFFSETS_SCHEMA = StructType(
         StructField("committed_at", TimestampType(), False),
     ]
 )
+
+# -- transaction-buffer snapshots (docs/snapshots.md) -------------------------------------------
+TXN_SNAPSHOT_STATE = "txn_snapshot_state"
+SNAPSHOT_STATES = ("NO_SNAPSHOT", "INITIALIZING", "READY")
+
+# One aborted transaction inside a snapshot: the transaction and its abort marker's position.
+ABORT_STRUCT = StructType(
+    [
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("ledger_id", LongType(), True),
+        StructField("entry_id", LongType(), True),
+    ]
+)
+
+# The brief's columns, then the snapshot index (added columns): which snapshot a row belongs to,
+# its place in it, the snapshot's size (on every row; recovery checks it on topic-end), tombstones.
+TXN_SNAPSHOT_SEGMENTS_SCHEMA = StructType(
+    [
+        StructField("snapshot_key", StringType(), False),
+        StructField("topic", StringType(), False),
+        StructField("max_read_ledger_id", LongType(), False),
+        StructField("max_read_entry_id", LongType(), False),
+        StructField("aborts", ArrayType(ABORT_STRUCT, True), True),
+        StructField("write_seq", LongType(), False),
+        StructField("snapshot_id", LongType(), True),
+        StructField("segment_index", IntegerType(), True),
+        StructField("segment_count", IntegerType(), True),
+        StructField("abort_count", LongType(), True),
+        StructField("tombstone", BooleanType(), True),
+        StructField("written_at", TimestampType(), True),
+    ]
+)
+
+RECOVERED_BUFFER_STATE_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("max_read_ledger_id", LongType(), False),
+        StructField("max_read_entry_id", LongType(), False),
+        StructField("aborts", ArrayType(ABORT_STRUCT, True), True),
+        StructField("snapshot_id", LongType(), True),
+        StructField("source", StringType(), False),  # SNAPSHOT or FULL_REPLAY
+        StructField("fallback_reason", StringType(), True),  # why FULL_REPLAY, when it is
+        StructField("replayed_entries", LongType(), False),
+    ]
+)
+
+# Per topic: where its snapshots stand and whether one is due (the triggers).
+TXN_SNAPSHOT_STATE_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("state", StringType(), False),  # NO_SNAPSHOT | INITIALIZING | READY
+        StructField("snapshot_id", LongType(), True),
+        StructField("segment_count", IntegerType(), True),
+        StructField("abort_count", LongType(), True),
+        StructField("max_read_ledger_id", LongType(), True),
+        StructField("max_read_entry_id", LongType(), True),
+        StructField("changes_since_snapshot", LongType(), False),
+        StructField("last_snapshot_at", TimestampType(), True),
+        StructField("due", BooleanType(), False),
+        StructField("due_reason", StringType(), True),
+        StructField("updated_at", TimestampType(), False),
+    ]
+)

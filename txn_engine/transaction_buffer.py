@@ -163,6 +163,25 @@ class TopicTransactionBuffer:
         self._aborts: dict[TxnId, Position] = {}  # in abort-marker order, which is append order
         self._visible: list[tuple[LogEntry, Position, int]] = []  # (entry, visible, local_seq)
 
+    @classmethod
+    def restored(cls, topic: str, aborts: Iterable[tuple[TxnId, Position]],
+                 last_position: Position | None) -> "TopicTransactionBuffer":
+        """A buffer resumed from a snapshot, ready to be fed the entries after `last_position`.
+
+        `aborts` is the snapshot's abort set; those transactions count as closed, so a later
+        marker of theirs is a duplicate and later data is late, exactly as in a full replay.
+        `last_position` is the last remaining entry at or before the replay start: the log's end
+        so far and the "previous non-empty ledger" of the position-before rule.
+        """
+        buffer = cls(topic)
+        for txn, position in aborts:
+            buffer._markers[txn] = TxnMarker(txn, EntryType.ABORT, position)
+            buffer._aborts[txn] = position
+        if last_position is not None:
+            buffer.last_position = last_position
+            buffer._ledger_last[last_position.ledger_id] = last_position
+        return buffer
+
     # -- feeding ---------------------------------------------------------------------------
 
     def append(self, entry: LogEntry) -> None:

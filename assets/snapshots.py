@@ -1,0 +1,193 @@
+"""Transaction-buffer snapshots as assets: `txn_snapshot_segments` with the per-topic
+`txn_snapshot_state`, and `recovered_buffer_state` with its check against the full replay.
+
+A sensor (new entries in `ledger_entries`) and a schedule (the interval) run `snapshot_job`; the
+job itself decides per topic whether a snapshot is due (txn_engine.snapshot_jobs.snapshot_states),
+as a broker does, so a run with nothing due only refreshes the state and the recovery.
+"""
+
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+from dagster import (
+    AssetCheckResult,
+    AssetExecutionContext,
+    AssetSelection,
+    AssetSpec,
+    Config,
+    DefaultScheduleStatus,
+    DefaultSensorStatus,
+    MaterializeResult,
+    MetadataValue,
+    RunRequest,
+    SensorEvaluationContext,
+    SkipReason,
+    asset,
+    asset_check,
+    define_asset_job,
+    multi_asset,
+    schedule,
+    sensor,
+)
+from pydantic import Field
+from pyspark.sql import functions as F
+
+from assets.metadata import markdown_preview, table_metadata
+from resources.spark import SparkResource
+from resources.warehouse import WarehouseResource
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    LEDGER_ENTRIES,
+    RECOVERED_BUFFER_STATE,
+    SNAPSHOT_STATES,
+    STABLE_POSITIONS,
+    TXN_SNAPSHOT_SEGMENTS,
+    TXN_SNAPSHOT_STATE,
+)
+from txn_engine.settings import WarehouseSettings
+from txn_engine.snapshot_jobs import (
+    TriggerConfig,
+    compact_segments,
+    full_replay_states,
+    read_segments,
+    recover_from_warehouse,
+    recovery_mismatches,
+    snapshot_states,
+    write_snapshots,
+)
+from txn_engine.snapshots import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
+
+GROUP = "snapshots"
+
+
+class SnapshotRunConfig(Config):
+    """Segment bounds, triggers and maintenance of one snapshot run."""
+
+    force: bool = Field(default=False, description="Snapshot every topic with transactional data, due or not.")
+    max_aborts_per_segment: int = Field(default=DEFAULT_MAX_ABORTS_PER_SEGMENT, description="Aborts per segment at most.")
+    max_segment_bytes: int = Field(default=DEFAULT_MAX_SEGMENT_BYTES, description="Estimated bytes per segment at most (5 MiB: BookKeeper's entry limit).")
+    max_changes: int = Field(default=1000, description="Snapshot after this many max-read-position changes + aborts.")
+    interval_seconds: float = Field(default=300.0, description="Snapshot at least this often while anything changed.")
+    compact: bool = Field(default=True, description="Compact the segments table (then OPTIMIZE, VACUUM) after writing.")
+    vacuum_retention_hours: float = Field(default=168.0, description="VACUUM retention; Delta refuses less than 168 h by default.")
+
+
+@multi_asset(
+    specs=[
+        AssetSpec(TXN_SNAPSHOT_SEGMENTS, group_name=GROUP, deps=[ABORTED_TXNS, STABLE_POSITIONS, LEDGER_ENTRIES],
+                  description="Multi-part transaction-buffer snapshots (PIP-178 keys topic-1..N, topic-end) with a "
+                  "snapshot index; read with key compaction (docs/snapshots.md)."),
+        AssetSpec(TXN_SNAPSHOT_STATE, group_name=GROUP, deps=[TXN_SNAPSHOT_SEGMENTS],
+                  description="Per topic: NO_SNAPSHOT / INITIALIZING / READY, the live snapshot, changes since, due."),
+    ],
+)
+def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunConfig, spark: SparkResource,
+                          warehouse: WarehouseResource):
+    wh = warehouse.open(spark.session())
+    segment_config = SnapshotConfig(config.max_aborts_per_segment, config.max_segment_bytes)
+    triggers = TriggerConfig(config.max_changes, config.interval_seconds)
+    entries = wh.read(LEDGER_ENTRIES)
+    before = snapshot_states(entries, read_segments(wh), triggers).collect()
+    wanted = {r.topic for r in before if r.due or config.force}
+    # Snapshots are taken of the buffer tables' state; a topic they do not know yet waits.
+    known = {r.topic for r in wh.read(STABLE_POSITIONS).select("topic").collect()} if wh.exists(STABLE_POSITIONS) else set()
+    skipped = sorted(wanted - known)
+    if skipped:
+        context.log.warning(f"no stable position yet for {skipped[:10]}: materialize the transaction_buffer assets")
+    due = sorted(wanted & known)
+    for row in before:
+        if row.topic in due:
+            context.log.info(f"snapshot {row.topic}: {row.due_reason or 'forced'}")
+    summary = write_snapshots(wh, due, segment_config)
+    compaction = compact_segments(wh, config.vacuum_retention_hours) if config.compact and wh.exists(TXN_SNAPSHOT_SEGMENTS) else None
+    states = snapshot_states(entries, read_segments(wh), triggers)
+    wh.overwrite(TXN_SNAPSHOT_STATE, states)
+    stored = wh.read(TXN_SNAPSHOT_STATE)
+    by_state = {s: 0 for s in SNAPSHOT_STATES}
+    by_state.update({r.state: r["count"] for r in stored.groupBy("state").count().collect()})
+    segments_rows = read_segments(wh).count()
+    yield MaterializeResult(asset_key=TXN_SNAPSHOT_SEGMENTS, metadata=table_metadata(
+        wh, TXN_SNAPSHOT_SEGMENTS, segments_rows,
+        topics_snapshotted=len(summary.topics),
+        segments_written=summary.segments,
+        tombstones_written=summary.tombstones,
+        segments_per_topic=MetadataValue.json(summary.segments_per_topic),
+        rows_before_compaction=compaction.rows_before if compaction else segments_rows,
+    ))
+    yield MaterializeResult(asset_key=TXN_SNAPSHOT_STATE, metadata=table_metadata(
+        wh, TXN_SNAPSHOT_STATE, stored.count(),
+        topics_by_state=MetadataValue.json(by_state),
+        topics_skipped=MetadataValue.json(skipped),
+        states=MetadataValue.md(markdown_preview(
+            stored.select("topic", "state", "snapshot_id", "segment_count", "abort_count", "changes_since_snapshot",
+                          "due").orderBy("topic"), limit=50)),
+    ))
+
+
+@asset(name=RECOVERED_BUFFER_STATE, group_name=GROUP, deps=[TXN_SNAPSHOT_SEGMENTS, LEDGER_ENTRIES],
+       description="Per topic, the transaction buffer rebuilt from its snapshot plus the replay after its max read "
+       "position (source SNAPSHOT), or by a full replay when it has no usable snapshot (source FULL_REPLAY).")
+def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
+    wh = warehouse.open(spark.session())
+    wh.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(wh))
+    stored = wh.read(RECOVERED_BUFFER_STATE)
+    summary = stored.groupBy("source").agg(F.count("*").alias("topics"), F.sum("replayed_entries").alias("replayed"))
+    by_source = {r.source: {"topics": r.topics, "replayed_entries": int(r.replayed or 0)} for r in summary.collect()}
+    reasons = [f"{r.topic}: {r.fallback_reason}" for r in stored.where("source = 'FULL_REPLAY'").limit(20).collect()]
+    return MaterializeResult(metadata=table_metadata(
+        wh, RECOVERED_BUFFER_STATE, stored.count(),
+        by_source=MetadataValue.json(by_source), full_replay_reasons=MetadataValue.json(reasons),
+    ))
+
+
+@asset_check(asset=RECOVERED_BUFFER_STATE,
+             description="The recovered state equals a full replay of ledger_entries: abort set and max read position.")
+def recovered_state_equals_full_replay(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
+    wh = warehouse.open(spark.session())
+    mismatched = recovery_mismatches(wh.read(RECOVERED_BUFFER_STATE), full_replay_states(wh.read(LEDGER_ENTRIES)))
+    topics = [r.topic for r in mismatched.limit(20).collect()]
+    return AssetCheckResult(passed=not topics, metadata={"mismatched_topics": MetadataValue.json(topics)})
+
+
+SNAPSHOT_ASSETS = [txn_snapshot_segments, recovered_buffer_state]
+SNAPSHOT_CHECKS = [recovered_state_equals_full_replay]
+
+snapshot_job = define_asset_job(
+    "take_snapshots",
+    selection=AssetSelection.assets(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE),
+    description="Snapshot the topics that are due, compact the segments, refresh the state and the recovery.",
+)
+
+
+def delta_version_on_disk(table_path: str) -> int | None:
+    """The latest commit of a local Delta table, from its log's file names (no Spark in the daemon)."""
+    log = Path(urlparse(table_path).path if table_path.startswith("file:") else table_path) / "_delta_log"
+    versions = [int(p.stem) for p in log.glob("*.json") if p.stem.isdigit()]
+    return max(versions) if versions else None
+
+
+@sensor(job=snapshot_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED,
+        description="Runs take_snapshots when ledger_entries has new commits (the job applies the triggers).")
+def snapshot_trigger_sensor(context: SensorEvaluationContext):
+    settings = WarehouseSettings()
+    if not settings.is_local():
+        return SkipReason("the warehouse is not local; snapshot_schedule drives snapshots there")
+    version = delta_version_on_disk(settings.table_path(LEDGER_ENTRIES))
+    if version is None:
+        return SkipReason("ledger_entries does not exist yet")
+    if context.cursor == str(version):
+        return SkipReason(f"ledger_entries still at version {version}")
+    context.update_cursor(str(version))
+    return RunRequest(run_key=f"ledger_entries-v{version}")
+
+
+@schedule(job=snapshot_job, cron_schedule="*/5 * * * *", default_status=DefaultScheduleStatus.STOPPED,
+          description="Every 5 minutes: the interval trigger (snapshots at least every interval_seconds).")
+def snapshot_schedule(_context):
+    return RunRequest()
+
+
+SNAPSHOT_JOBS = [snapshot_job]
+SNAPSHOT_SENSORS = [snapshot_trigger_sensor]
+SNAPSHOT_SCHEDULES = [snapshot_schedule]

@@ -1,0 +1,120 @@
+"""Benchmark: transaction-buffer snapshots, N aborted transactions over 4 topics (default 1 million).
+
+Measured side by side in one run, on the same `ledger_entries` Delta table (each aborted
+transaction is a DATA entry and its ABORT marker; 10 000 entries a ledger):
+- snapshot write: segments of every topic's abort set, from `aborted_txns` + `stable_positions`;
+- after the snapshot, 1% more aborted transactions are appended (the replay's work);
+- recovery from the snapshot (`recovered_buffer_state`) against a full replay of ledger_entries
+  (the buffer jobs' abort set and stable position), both computed and written as Delta tables;
+- the number of segments, peak memory, and that recovery equals the full replay.
+Target: recovery at least 10x faster than the full replay at 1 million aborts.
+`BENCH_ABORTS` sets N (develop at 100 000); BENCH_ENTRIES does not apply (the size is in aborts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
+
+TOPICS = 4
+LEDGER_SIZE = 10_000
+TAIL_FRACTION = 0.01
+
+
+def log_frame(spark, first_txn: int, count: int):
+    """`count` aborted transactions from `first_txn`, round-robin over the topics, as ledger_entries rows."""
+    from pyspark.sql import functions as F
+
+    from txn_engine.schema import LEDGER_ENTRIES_SCHEMA
+
+    txns = spark.range(first_txn, first_txn + count).select(F.col("id").alias("txn"))
+    per_topic = F.floor(F.col("txn") / TOPICS)  # the transaction's rank on its topic
+    rows = txns.select(
+        F.format_string("bench-topic-%d", F.col("txn") % TOPICS).alias("topic"),
+        F.col("txn"),
+        F.explode(F.array(F.lit(0), F.lit(1))).alias("k"),
+        (per_topic * 2).alias("_n"),
+    ).withColumn("_n", F.col("_n") + F.col("k"))
+    return rows.select(
+        "topic",
+        (F.floor(F.col("_n") / LEDGER_SIZE) + 1).cast("long").alias("ledger_id"),
+        (F.col("_n") % LEDGER_SIZE).cast("long").alias("entry_id"),
+        F.when(F.col("k") == 0, F.lit("DATA")).otherwise(F.lit("ABORT")).alias("entry_type"),
+        F.lit(1).cast("long").alias("txn_most_bits"),
+        F.col("txn").cast("long").alias("txn_least_bits"),
+        F.lit(None).cast("long").alias("producer_id"),
+        F.lit(None).cast("int").alias("producer_epoch"),
+        F.lit(None).cast("long").alias("sequence_id"),
+        F.current_timestamp().alias("publish_time"),
+        F.lit(None).cast("string").alias("key"),
+        F.when(F.col("k") == 0, F.expr("unhex(repeat('ab', 100))")).alias("payload"),
+    ).select(*[F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields])
+
+
+def run(aborts: int, workdir: Path) -> dict:
+    from resources.spark import get_spark
+    from txn_engine.buffer_jobs import compute_buffer_tables
+    from txn_engine.schema import ABORTED_TXNS, LEDGER_ENTRIES, RECOVERED_BUFFER_STATE, STABLE_POSITIONS
+    from txn_engine.settings import WarehouseSettings
+    from txn_engine.snapshot_jobs import (
+        full_replay_states,
+        read_segments,
+        recover_from_warehouse,
+        recovery_mismatches,
+        write_snapshots,
+    )
+    from txn_engine.warehouse import Warehouse
+
+    print(f"== snapshot benchmark: {aborts:,} aborted transactions over {TOPICS} topics, workdir {workdir}")
+    spark = get_spark()
+    wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh")))
+    tail = max(1, int(aborts * TAIL_FRACTION))
+    with timed(f"write ledger_entries ({2 * aborts:,} entries)"):
+        wh.overwrite(LEDGER_ENTRIES, log_frame(spark, 0, aborts))
+    with timed("buffer tables (aborted_txns, stable_positions)"):
+        tables = compute_buffer_tables(wh.read(LEDGER_ENTRIES))
+        wh.overwrite(STABLE_POSITIONS, tables.stable_positions)
+        wh.overwrite(ABORTED_TXNS, tables.aborted_txns)
+        tables.unpersist()
+    topics = [r.topic for r in wh.read(STABLE_POSITIONS).select("topic").collect()]
+    with timed("snapshot write (all topics)") as t_write:
+        summary = write_snapshots(wh, topics)
+    segments = read_segments(wh).count()
+    with timed(f"append {tail:,} more aborted transactions"):
+        wh.append(LEDGER_ENTRIES, log_frame(spark, aborts, tail))
+
+    with timed("recovery: snapshot + replay (write recovered_buffer_state)") as t_recover:
+        wh.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(wh))
+    with timed("full replay of ledger_entries (write full_replay)") as t_full:
+        wh.overwrite("full_replay", full_replay_states(wh.read(LEDGER_ENTRIES)))
+    jvm_peak = jvm_peak_rss_mib(spark)
+    mismatches = recovery_mismatches(wh.read(RECOVERED_BUFFER_STATE), wh.read("full_replay")).count()
+    sources = {r.source: r["count"] for r in wh.read(RECOVERED_BUFFER_STATE).groupBy("source").count().collect()}
+    replayed = wh.read(RECOVERED_BUFFER_STATE).agg({"replayed_entries": "sum"}).first()[0]
+    result = {
+        "aborted_txns": aborts + tail,
+        "entries": 2 * (aborts + tail),
+        "snapshot_write_s": t_write.seconds,
+        "segments": segments,
+        "segments_per_topic": summary.segments_per_topic,
+        "recovery_s": t_recover.seconds,
+        "full_replay_s": t_full.seconds,
+        "full_replay_vs_recovery": t_full.seconds / t_recover.seconds,
+        "replayed_entries": replayed,
+        "sources": sources,
+        "recovery_equals_full_replay": mismatches == 0,
+        "jvm_peak_rss_mib": jvm_peak,
+        "python_peak_rss_mib": python_peak_rss_mib(),
+    }
+    print("-- results")
+    for key, value in result.items():
+        print(f"  {key:<26} {value:,.2f}" if isinstance(value, float) else f"  {key:<26} {value}")
+    if mismatches:
+        print(f"  !! recovery differs from the full replay on {mismatches} topic(s)")
+    return result
+
+
+def run_benchmark(workdir: Path) -> dict:
+    return run(int(os.environ.get("BENCH_ABORTS", "1000000")), workdir)

@@ -1,0 +1,107 @@
+"""The snapshot assets, their check, the sensor and the schedule, materialized in-process on Delta."""
+
+from __future__ import annotations
+
+from datetime import timedelta, timezone
+
+from dagster import AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipReason, build_schedule_context, \
+    build_sensor_context, materialize
+
+from pyspark.sql import functions as F
+
+from assets.snapshots import snapshot_schedule, snapshot_trigger_sensor
+from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, defs
+from tests.test_buffer_jobs import frame
+from tests.test_snapshot_jobs import aborted_history, as_truth, truth
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    RECOVERED_BUFFER_STATE,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
+    TXN_SNAPSHOT_SEGMENTS,
+    TXN_SNAPSHOT_STATE,
+)
+from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_states
+from txn_engine.transaction_buffer import LogEntry
+
+BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
+    AssetSelection.groups("snapshots")
+
+
+def run_config(**segments):
+    return {"ops": {"txn_snapshot_segments": {"config": {"max_aborts_per_segment": 2, **segments}}}}
+
+
+def metadata_of(result, table: str) -> dict:
+    [mat] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
+             if e.event_specific_data.materialization.asset_key == AssetKey(table)]
+    return {k: v.value for k, v in mat.metadata.items()}
+
+
+def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
+    entries = aborted_history("busy", 5) + [LogEntry("plain", 900, 0, "DATA"), LogEntry("plain", 900, 1, "DATA")]
+    warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, entries))
+    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
+                         run_config=run_config(compact=False))
+    assert result.success
+    # The first snapshot as soon as a topic has transactional data; none for a topic without.
+    states = {r.topic: r for r in warehouse.read(TXN_SNAPSHOT_STATE).collect()}
+    assert set(states) == {"busy"}
+    assert (states["busy"].state, states["busy"].segment_count, states["busy"].abort_count, states["busy"].due) == \
+        ("READY", 3, 5, False)
+    assert metadata_of(result, TXN_SNAPSHOT_STATE)["topics_by_state"] == {"NO_SNAPSHOT": 0, "INITIALIZING": 0, "READY": 1}
+    assert metadata_of(result, TXN_SNAPSHOT_SEGMENTS)["segments_per_topic"] == {"busy": 3}
+    recovered = {r.topic: r.asDict(recursive=True) for r in warehouse.read(RECOVERED_BUFFER_STATE).collect()}
+    assert recovered["busy"]["source"] == "SNAPSHOT" and recovered["plain"]["source"] == "FULL_REPLAY"
+    for topic in ("busy", "plain"):
+        assert as_truth(recovered[topic]) == truth(entries, topic)
+    checks = {c.check_name: c for c in result.get_asset_check_evaluations()}
+    assert checks["recovered_state_equals_full_replay"].passed
+
+    # More aborts: the triggers (changes since the snapshot, the interval), then a new snapshot.
+    more = entries + [LogEntry("busy", 110, i, kind, 8, i // 2) for i, kind in enumerate(["DATA", "ABORT"] * 2)]
+    warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, more))
+    segments = read_segments(warehouse).localCheckpoint()
+    taken = states["busy"].last_snapshot_at.replace(tzinfo=timezone.utc)
+
+    def busy(triggers, now):
+        return snapshot_states(warehouse.read(LEDGER_ENTRIES), segments, triggers, now).where("topic = 'busy'").first()
+    assert (busy(TriggerConfig(max_changes=3), taken).changes_since_snapshot, busy(TriggerConfig(3), taken).due) == (2, False)
+    assert busy(TriggerConfig(max_changes=2), taken).due
+    assert busy(TriggerConfig(max_changes=3, interval_seconds=60), taken + timedelta(seconds=61)).due
+    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
+                         run_config=run_config(max_changes=2, compact=True))
+    assert metadata_of(result, TXN_SNAPSHOT_SEGMENTS)["topics_snapshotted"] == 1
+    state = warehouse.read(TXN_SNAPSHOT_STATE).where("topic = 'busy'").first()
+    assert (state.state, state.abort_count, state.changes_since_snapshot) == ("READY", 7, 0)
+    assert all(c.passed for c in result.get_asset_check_evaluations())
+    # Compaction dropped the first snapshot's rows: only the live snapshot's keys are left.
+    assert sorted(r.snapshot_key for r in read_segments(warehouse).collect()) == ["busy-1", "busy-2", "busy-3", "busy-end"]
+
+    # The check fails when the recovered table disagrees with the full replay.
+    wrong = warehouse.read(RECOVERED_BUFFER_STATE).withColumn("max_read_entry_id", F.lit(-5).cast("long"))
+    warehouse.overwrite(RECOVERED_BUFFER_STATE, wrong.localCheckpoint())
+    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=AssetSelection.checks_for_assets(RECOVERED_BUFFER_STATE),
+                         resources=dagster_resources)
+    [check] = result.get_asset_check_evaluations()
+    assert not check.passed
+    assert set(check.metadata["mismatched_topics"].value) == {"busy", "plain"}
+
+
+def test_sensor_fires_on_new_ledger_entries_and_schedule_runs_the_job(warehouse):
+    assert defs.resolve_sensor_def("snapshot_trigger_sensor").job_name == "take_snapshots"
+    assert defs.resolve_schedule_def("snapshot_schedule").job_name == "take_snapshots"
+    with DagsterInstance.ephemeral() as instance:
+        assert isinstance(snapshot_trigger_sensor(build_sensor_context(instance=instance)), SkipReason)
+        warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, aborted_history("t", 1)))
+        context = build_sensor_context(instance=instance)
+        request = snapshot_trigger_sensor(context)
+        assert isinstance(request, RunRequest) and request.run_key == "ledger_entries-v0"
+        assert isinstance(snapshot_trigger_sensor(build_sensor_context(instance=instance, cursor=context.cursor)),
+                          SkipReason)
+        warehouse.append(LEDGER_ENTRIES, frame(warehouse.spark, [LogEntry("t", 200, 0, "DATA")]))
+        assert snapshot_trigger_sensor(build_sensor_context(instance=instance, cursor=context.cursor)).run_key == \
+            "ledger_entries-v1"
+    assert isinstance(snapshot_schedule(build_schedule_context()), RunRequest)

@@ -1,0 +1,286 @@
+"""Snapshots on Spark (txn_engine.snapshot_jobs) on real Delta tables, against the reference and
+the full replay: the writer, PIP-178's scenarios, the leak fix, crashes, racing writers, bad rows,
+and random histories (many topics per Spark job)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark.sql import functions as F
+
+from tests.snapshot_histories import op_lists, replay_topic, simulate
+from tests.test_buffer_jobs import frame
+from txn_engine.buffer_jobs import aborted_txns, stable_positions
+from txn_engine.ledgers import record_ledger_states
+from txn_engine.positions import Position
+from txn_engine.schema import LEDGER_ENTRIES, TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA
+from txn_engine.snapshot_jobs import (
+    ENDS,
+    PARTS,
+    compact_segments,
+    compacted_segments,
+    full_replay_states,
+    read_segments,
+    recover_from_warehouse,
+    recovery_mismatches,
+    write_snapshots,
+)
+from txn_engine.snapshots import (
+    Crash,
+    SnapshotConfig,
+    SnapshotSegment,
+    Source,
+    compacted_rows,
+    recover,
+    split_snapshot,
+)
+from txn_engine.transaction_buffer import LogEntry, TxnId
+
+SMALL = SnapshotConfig(max_aborts_per_segment=2)
+
+
+def aborted_history(topic: str, n: int, ledger_size: int = 4, first_ledger: int = 100) -> list[LogEntry]:
+    """`n` transactions on `topic`, each a DATA entry then its ABORT, `ledger_size` entries a ledger."""
+    entries = []
+    for i in range(n):
+        for kind in ("DATA", "ABORT"):
+            k = len(entries)
+            entries.append(LogEntry(topic, first_ledger + k // ledger_size, k % ledger_size, kind, 7, i))
+    return entries
+
+
+def snapshot(warehouse, entries: list[LogEntry], topics, config=SMALL, **kwargs):
+    """Write a snapshot of `topics` as of `entries` (a prefix of the log)."""
+    prefix = frame(warehouse.spark, entries)
+    return write_snapshots(warehouse, topics, config, aborted=aborted_txns(prefix), stable=stable_positions(prefix),
+                           **kwargs)
+
+
+def store_log(warehouse, entries: list[LogEntry], deleted: dict[str, set[int]] | None = None) -> None:
+    warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, entries))
+    transitions = [(t, lid, "DELETED", "retention") for t, ids in (deleted or {}).items() for lid in sorted(ids)]
+    record_ledger_states(warehouse, transitions)
+
+
+def recovered_by_topic(warehouse) -> dict[str, dict]:
+    return {r.topic: r.asDict(recursive=True) for r in recover_from_warehouse(warehouse).collect()}
+
+
+def truth(entries: list[LogEntry], topic: str) -> tuple[Position, list[tuple]]:
+    buffer = replay_topic(topic, [e for e in entries if e.topic == topic])
+    return buffer.max_read_position, [(t.most_bits, t.least_bits, p.ledger_id, p.entry_id) for t, p in buffer.aborts.items()]
+
+
+def as_truth(row: dict) -> tuple[Position, list[tuple]]:
+    return (Position(row["max_read_ledger_id"], row["max_read_entry_id"]),
+            [(a["txn_most_bits"], a["txn_least_bits"], a["ledger_id"], a["entry_id"]) for a in row["aborts"]])
+
+
+def stored_rows(warehouse) -> list[SnapshotSegment]:
+    """The segments table as the reference's rows, to check what a writer left with the oracle."""
+    return [SnapshotSegment(r.snapshot_key, r.topic, Position(r.max_read_ledger_id, r.max_read_entry_id),
+                            tuple((TxnId(a.txn_most_bits, a.txn_least_bits), Position(a.ledger_id, a.entry_id))
+                                  for a in r.aborts), r.snapshot_id, r.segment_index, r.segment_count, r.abort_count,
+                            r.write_seq, bool(r.tombstone))
+            for r in read_segments(warehouse).collect()]
+
+
+def assert_reference_recovers(warehouse, entries, topic: str) -> None:
+    recovered = recover(topic, stored_rows(warehouse), entries)
+    assert recovered.source == Source.SNAPSHOT, recovered.fallback_reason
+    assert (recovered.max_read_position, [(t.most_bits, t.least_bits, p.ledger_id, p.entry_id)
+                                          for t, p in recovered.aborts]) == truth(entries, topic)
+
+
+def assert_all_recover(warehouse, entries, expect_source: dict[str, str] | None = None) -> dict[str, dict]:
+    recovered = recovered_by_topic(warehouse)
+    topics = {e.topic for e in entries}
+    assert set(recovered) == topics
+    for topic in topics:
+        assert as_truth(recovered[topic]) == truth(entries, topic), topic
+        if expect_source and topic in expect_source:
+            assert recovered[topic]["source"] == expect_source[topic], (topic, recovered[topic]["fallback_reason"])
+    return recovered
+
+
+# -- the writer ---------------------------------------------------------------------------------
+
+def test_writer_cuts_segments_like_the_reference(warehouse):
+    entries = aborted_history("big", 7) + aborted_history("small", 2, first_ledger=200) + \
+        [LogEntry("none", 300, 0, "DATA", 1, 1), LogEntry("none", 300, 1, "COMMIT", 1, 1)]
+    summary = snapshot(warehouse, entries, ["big", "small", "none"], SnapshotConfig(max_aborts_per_segment=3),
+                       snapshot_ids={"big": 11, "small": 12, "none": 13})
+    assert summary.segments_per_topic == {"big": 3, "small": 1, "none": 1}
+    rows = {r.snapshot_key: r for r in read_segments(warehouse).collect()}
+    assert set(rows) == {"big-1", "big-2", "big-end", "small-end", "none-end"}
+    for topic, sid in (("big", 11), ("small", 12), ("none", 13)):
+        expected = split_snapshot(replay_topic(topic, [e for e in entries if e.topic == topic]).snapshot(), sid,
+                                  SnapshotConfig(max_aborts_per_segment=3))
+        for seg in expected:
+            row = rows[seg.snapshot_key]
+            assert (row.max_read_ledger_id, row.max_read_entry_id) == tuple(seg.max_read_position)
+            assert [(a.txn_most_bits, a.txn_least_bits, a.ledger_id, a.entry_id) for a in row.aborts] == \
+                [(t.most_bits, t.least_bits, p.ledger_id, p.entry_id) for t, p in seg.aborts]
+            assert (row.snapshot_id, row.segment_index, row.segment_count, row.abort_count, row.tombstone) == \
+                (sid, seg.segment_index, seg.segment_count, seg.abort_count, False)
+    # Parts are written before ends: every end has a higher write_seq than its parts.
+    assert rows["big-end"].write_seq > max(rows["big-1"].write_seq, rows["big-2"].write_seq)
+
+
+def test_writer_refuses_a_topic_without_stable_position(warehouse):
+    with pytest.raises(ValueError, match="materialize stable_positions"):
+        snapshot(warehouse, aborted_history("a", 1), ["a", "nowhere"])
+    assert not warehouse.exists(TXN_SNAPSHOT_SEGMENTS)
+
+
+# -- PIP-178's scenarios, the leak fix and crashes, one topic each ------------------------------
+
+def test_named_scenarios_recover_to_the_full_replay(warehouse):
+    normal = aborted_history("normal", 9, first_ledger=100)
+    crashed = aborted_history("crashed", 9, first_ledger=200)
+    trimmed = aborted_history("trimmed", 9, first_ledger=300)
+    leak = aborted_history("leak", 9, first_ledger=400)
+    x, e = TxnId(1, 1), TxnId(1, 2)
+    before_start = [LogEntry("before", 500, 0, "DATA", *x), LogEntry("before", 500, 1, "DATA", *e),
+                    LogEntry("before", 500, 2, "ABORT", *x), LogEntry("before", 500, 3, "ABORT", *x),
+                    LogEntry("before", 500, 4, "DATA", *x), LogEntry("before", 501, 0, "COMMIT", *e),
+                    LogEntry("before", 502, 0, "DATA", 1, 3)]
+    never = aborted_history("never", 3, first_ledger=600)
+    everything = normal + crashed + trimmed + leak + before_start + never
+
+    # First snapshots, mid-history, of every topic but "never".
+    first = [e for e in everything if e.topic != "before" and e.ledger_id % 100 < 2] + before_start[:3]
+    snapshot(warehouse, first, ["normal", "crashed", "trimmed", "leak", "before"])
+    # crashed: a new, longer snapshot cut short after its second part.
+    def crash_after_two_parts(step, rows, n=[0]):
+        n[0] += step == PARTS
+        if n[0] == 2:
+            raise Crash("broker restart")
+    with pytest.raises(Crash):
+        snapshot(warehouse, crashed, ["crashed"], parts_per_commit=1, after_commit=crash_after_two_parts)
+    # trimmed and leak: the oldest ledgers deleted; leak also takes a new, shorter snapshot.
+    deleted = {"trimmed": {300, 301}, "leak": {400, 401, 402, 403}}
+    remaining = [e for e in everything if e.ledger_id not in deleted.get(e.topic, ())]
+    snapshot(warehouse, [e for e in remaining if e.topic == "leak"], ["leak"])
+    store_log(warehouse, remaining, deleted)
+
+    recovered = assert_all_recover(warehouse, remaining, expect_source={
+        "normal": "SNAPSHOT", "crashed": "SNAPSHOT", "trimmed": "SNAPSHOT", "leak": "SNAPSHOT", "before": "SNAPSHOT",
+        "never": "FULL_REPLAY"})
+    assert recovered["never"]["fallback_reason"] == "no snapshot yet"
+    assert recovered["normal"]["replayed_entries"] < len(normal)
+    # The leak: the old, longer snapshot's stale keys are tombstoned, then compacted away.
+    latest = {r.snapshot_key: r for r in read_segments(warehouse).orderBy("write_seq").collect()}
+    assert all(latest[f"leak-{i}"].tombstone for i in (2, 3, 4) if f"leak-{i}" in latest)
+    # Crash during compaction: nothing changes; then a real compaction.
+    version = warehouse.version(TXN_SNAPSHOT_SEGMENTS)
+    with pytest.raises(Crash):
+        compact_segments(warehouse, before_commit=lambda: (_ for _ in ()).throw(Crash("killed")))
+    assert warehouse.version(TXN_SNAPSHOT_SEGMENTS) == version
+    summary = compact_segments(warehouse)
+    assert summary.rows_after < summary.rows_before
+    keys = {r.snapshot_key for r in read_segments(warehouse).collect()}
+    assert not any(k.startswith("leak-") and k != "leak-end" and k != "leak-1" for k in keys), keys
+    assert {"crashed-1", "crashed-2", "crashed-end"} <= keys
+    # crashed-1 twice: the live snapshot's row survives beside the unfinished snapshot's newer one.
+    assert read_segments(warehouse).where("snapshot_key = 'crashed-1'").count() == 2
+    assert_all_recover(warehouse, remaining, expect_source={"crashed": "SNAPSHOT", "leak": "SNAPSHOT"})
+
+
+def test_crash_after_each_commit_of_a_snapshot_write(warehouse):
+    entries = aborted_history("t", 8)
+    store_log(warehouse, entries)
+    snapshot(warehouse, entries[:6], ["t"])  # 3 aborts: t-1 + t-end
+    for crash_at in range(1, 6):  # 8 aborts: parts 1..3, end, then tombstones (none here)
+        steps = []
+
+        def crash(step, rows, n=[0]):
+            n[0] += 1
+            steps.append(step)
+            if n[0] == crash_at:
+                raise Crash(step)
+        try:
+            snapshot(warehouse, entries, ["t"], parts_per_commit=1, after_commit=crash)
+        except Crash:
+            pass
+        assert_reference_recovers(warehouse, entries, "t")  # what the writer left, checked by the oracle
+    assert steps == [PARTS, PARTS, PARTS, ENDS]  # the last round ran to the end
+    assert_all_recover(warehouse, entries, expect_source={"t": "SNAPSHOT"})
+
+
+def test_racing_writers_on_one_topic(warehouse):
+    entries = aborted_history("t", 10)
+    store_log(warehouse, entries)
+    errors = []
+
+    def write(prefix):
+        try:
+            snapshot(warehouse, prefix, ["t"], SnapshotConfig(max_aborts_per_segment=1), parts_per_commit=1)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=write, args=(p,)) for p in (entries[:8], entries)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    seqs = [r.write_seq for r in read_segments(warehouse).collect()]
+    assert len(seqs) == len(set(seqs))  # write_seq is unique across the writers
+    assert_reference_recovers(warehouse, entries, "t")
+    compact_segments(warehouse, vacuum_retention_hours=None, optimize=False)  # the rule; maintenance is tested above
+    assert_all_recover(warehouse, entries, expect_source={"t": "SNAPSHOT"})
+
+
+def test_bad_segment_rows_fall_back_to_full_replay(warehouse, spark):
+    topics = ["unreadable", "wrong", "no_end", "fine"]
+    entries = [e for i, t in enumerate(topics) for e in aborted_history(t, 5, first_ledger=100 * (i + 1))]
+    store_log(warehouse, entries)
+    snapshot(warehouse, entries, topics)
+    table = read_segments(warehouse)
+    damaged = (
+        table.where(~((F.col("topic") == "no_end") & F.col("snapshot_key").endswith("-end")))
+        .withColumn("aborts", F.when(F.col("snapshot_key") == "unreadable-1", F.lit(None)).otherwise(F.col("aborts")))
+        .withColumn("snapshot_key", F.when(F.col("snapshot_key") == "wrong-1", F.lit("fine-1"))
+                    .otherwise(F.col("snapshot_key")))
+    )
+    warehouse.overwrite(TXN_SNAPSHOT_SEGMENTS, damaged.localCheckpoint())
+    recovered = assert_all_recover(warehouse, entries, expect_source={
+        "unreadable": "FULL_REPLAY", "wrong": "FULL_REPLAY", "no_end": "FULL_REPLAY"})
+    assert "unreadable" in recovered["unreadable"]["fallback_reason"]
+    assert "not a key of topic 'wrong'" in recovered["wrong"]["fallback_reason"]
+    assert "no live 'no_end-end'" in recovered["no_end"]["fallback_reason"]
+    # "fine-1" now has a newer row of another topic under its key; fine recovers from its own rows.
+    assert recovered["fine"]["source"] == "SNAPSHOT"
+
+
+# -- random histories, many topics per Spark job -------------------------------------------------
+
+def segment_rows(rows: list[SnapshotSegment]) -> list[tuple]:
+    return [(r.snapshot_key, r.topic, r.max_read_position.ledger_id, r.max_read_position.entry_id,
+             [(t.most_bits, t.least_bits, p.ledger_id, p.entry_id) for t, p in r.aborts], r.write_seq, r.snapshot_id,
+             r.segment_index, r.segment_count, r.abort_count, r.tombstone, None) for r in rows]
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                   HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(op_lists, min_size=6, max_size=10))
+def test_random_histories_recover_on_spark(warehouse, spark, histories_ops):
+    histories = [simulate(f"h{i}", ops, first_ledger=1000 * (i + 1), txn_base=i) for i, ops in enumerate(histories_ops)]
+    entries = [e for h in histories for e in h.entries]
+    if not entries:
+        return
+    # One segments table for all: write_seq made global by offsetting each history's log.
+    rows, offset = [], 0
+    for h in histories:
+        rows += [replace(r, write_seq=r.write_seq + offset) for r in h.log.rows]
+        offset += len(h.log.rows)
+    warehouse.overwrite(TXN_SNAPSHOT_SEGMENTS, spark.createDataFrame(segment_rows(rows), TXN_SNAPSHOT_SEGMENTS_SCHEMA))
+    store_log(warehouse, entries, {h.topic: h.deleted for h in histories})
+    assert_all_recover(warehouse, entries)
+    # Spark's compaction keeps exactly the reference's rows.
+    kept = {r.write_seq for r in compacted_segments(read_segments(warehouse)).collect()}
+    assert kept == {r.write_seq for r in compacted_rows(rows)}
