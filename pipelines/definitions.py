@@ -14,6 +14,7 @@ from dagster import AssetSelection, Definitions, define_asset_job, in_process_ex
 from assets.ledger import ingest_ledger_entries, ledgers
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
+from pipelines.buffer_sensors import ledgers_closed_sensor, transaction_buffer_job
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
@@ -40,7 +41,8 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource()}
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job],
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job],
+    sensors=[ledgers_closed_sensor],
     resources=RESOURCES,
     executor=in_process_executor,
 )

@@ -380,3 +380,10 @@ def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int]) 
                 source.alias("s"),
                 f"t.topic = s.topic AND t.in_stable_prefix = true AND NOT {at_or_below} AND {not_rewritten}",
             ).whenMatchedUpdate(set={"in_stable_prefix": "false"}).execute()
+
+
+def closed_ledger_ids(catalog: DataFrame) -> list[int]:
+    """Ledgers of the `ledgers` catalog that are closed: CLOSED or OFFLOADED (the catalog already
+    marks CLOSED every ledger that is not its topic's last, and applies recorded states)."""
+    closed = catalog.filter(F.col("state").isin("CLOSED", "OFFLOADED")).select("ledger_id").distinct()
+    return sorted(r.ledger_id for r in closed.collect())
