@@ -33,8 +33,7 @@ BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
 
 transaction_buffer_job = define_asset_job(
     "transaction_buffer",
-    selection=BUFFER_SELECTION,
-    partitions_def=LEDGER_PARTITIONS,
+    selection=BUFFER_SELECTION,  # partitioned by ledger, as its assets are
     description="Recompute the transaction buffer tables for a ledger range (and the ledgers that changed).",
 )
 

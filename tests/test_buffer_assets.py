@@ -5,7 +5,7 @@ from __future__ import annotations
 from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, materialize
 
 from pipelines.buffer_sensors import range_tags
-from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, DERIVED_SELECTION
+from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.dagster_runs import derive_all, sensor_tick
 from tests.rows import entry, write_jsonl

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dagster import AssetKey, AssetSelection, materialize
 
-from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
+from pipelines.definitions import ALL_ASSETS, defs
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES

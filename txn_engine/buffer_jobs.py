@@ -148,14 +148,14 @@ def classify_entries(entries: DataFrame, persist: bool = False) -> BufferFacts:
     duplicates = duplicate_positions(narrow)
     if persist:
         duplicates = duplicates.cache()
-    by_ledger_txn = by_ledger_txn(narrow, duplicates)
+    ledger_txns = by_ledger_txn(narrow, duplicates)
     if persist:
-        by_ledger_txn = by_ledger_txn.cache()
-    txns = txns_from_ledger_txns(by_ledger_txn)
+        ledger_txns = ledger_txns.cache()
+    txns = txns_from_ledger_txns(ledger_txns)
     if persist:
         txns = txns.cache()
-    ledgers = by_ledger_txn.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-    return BufferFacts(entries, duplicates, by_ledger_txn, ledgers, txns)
+    ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+    return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
 
 
 def duplicate_positions(narrow: DataFrame) -> DataFrame:
