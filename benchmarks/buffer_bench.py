@@ -37,6 +37,23 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
     ])
 
 
+class WriteClock:
+    """`after_write` hook of `refresh_buffer`: prints the seconds each table's write took (where the time goes)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._now = time.perf_counter
+        self.last = self._now()
+        self.steps: dict[str, float] = {}
+
+    def __call__(self, table: str) -> None:
+        now = self._now()
+        self.steps[table] = now - self.last
+        print(f"    {table:<46} {self.steps[table]:8.2f} s", flush=True)
+        self.last = now
+
+
 def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) -> dict:
     from pyspark.sql import functions as F
 
@@ -67,7 +84,8 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     with timed("ledgers catalog (the `ledgers` asset, not timed below)"):
         wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
     with timed("full: four buffer tables + state (Spark)") as t_full:
-        refresh_buffer(wh, ledger_inventory(wh), full=True)
+        full_steps = WriteClock()
+        refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_steps)
     jvm_peak = jvm_peak_rss_mib(spark)
     counts = {t: wh.read(t).count() for t in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)}
 
@@ -102,7 +120,8 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     with timed("ledgers catalog again (not in the step)"):
         wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
     with timed("incremental: the new ledger (Spark)") as t_inc:
-        step = refresh_buffer(wh, ledger_inventory(wh), ledgers=[new_id])
+        inc_steps = WriteClock()
+        step = refresh_buffer(wh, ledger_inventory(wh), ledgers=[new_id], after_write=inc_steps)
     print(f"  incremental step: {step.summary()}")
 
     result = {
@@ -118,6 +137,8 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "incremental_s": t_inc.seconds,
         "incremental_vs_full": t_inc.seconds / t_full.seconds,
         "incremental_ledgers": len(step.ledgers),
+        "full_steps_s": {k: round(v, 2) for k, v in full_steps.steps.items()},
+        "incremental_steps_s": {k: round(v, 2) for k, v in inc_steps.steps.items()},
         "jvm_peak_rss_mib": jvm_peak,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
