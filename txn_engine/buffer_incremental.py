@@ -281,7 +281,8 @@ def refresh_buffer(
         if not scope and not deleted:
             return BufferRefresh(full=False, ledgers=[])
         replaced = sorted(scope | deleted)
-        entries = entries_all.filter(F.col("ledger_id").isin(sorted(scope)))
+        # Small (the scope's entries) and read by every table: scanned from Delta once.
+        entries = entries_all.filter(F.col("ledger_id").isin(sorted(scope))).cache()
         kept_state = {t: wh.read(t).filter(~F.col("ledger_id").isin(replaced)) for t in STATE_TABLES}
 
     narrow = entries.select(*NARROW_COLUMNS)
@@ -295,7 +296,7 @@ def refresh_buffer(
     last_entries = all_ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
     facts = BufferFacts(entries, duplicates, all_ledger_txns, last_entries, txns)
     stable = stable_from_facts(facts).cache()
-    cached = [duplicates, scope_ledger_txns, txns, stable]
+    cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
     try:
         result = _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, after_write)
         result.full, result.recomputed_topics = full, sorted(topics)
