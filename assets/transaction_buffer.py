@@ -1,16 +1,21 @@
 """The transaction buffer's tables: txn_markers, stable_positions, aborted_txns, committed_entries.
 
-One multi-asset computes the four from `ledger_entries` with shared work (the Spark jobs in
-`txn_engine.buffer_jobs`), writes each as a Delta table, and reports the protocol violations it
-found in the input. Asset checks guard the invariants.
+One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four from
+`ledger_entries` (the Spark jobs of `txn_engine.buffer_jobs`, driven incrementally by
+`txn_engine.buffer_incremental`): a run over a ledger range recomputes those ledgers plus
+whatever the catalog shows changed (the OPEN ledgers that grew, ledgers deleted by retention),
+so the tables always describe everything in `ledger_entries`. A run over every partition is a
+full recompute. Backfills run as one run per range (`BackfillPolicy.single_run`). The run
+reports the protocol violations found in the ledgers it recomputed. Asset checks guard the
+invariants.
 """
 
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
-    AssetCheckSpec,
     AssetExecutionContext,
     AssetSpec,
+    BackfillPolicy,
     MaterializeResult,
     MetadataValue,
     asset_check,
@@ -19,10 +24,12 @@ from dagster import (
 from pyspark.sql import functions as F
 
 from assets.metadata import table_metadata
+from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_jobs import compute_buffer_tables
-from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.positions import ledger_id_of_partition
+from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
 
 GROUP = "transaction_buffer"
 
@@ -36,36 +43,32 @@ DESCRIPTIONS = {
 
 
 @multi_asset(
-    specs=[AssetSpec(t, group_name=GROUP, deps=[LEDGER_ENTRIES], description=d) for t, d in DESCRIPTIONS.items()],
+    specs=[AssetSpec(t, group_name=GROUP, deps=[LEDGER_ENTRIES, LEDGERS], description=d) for t, d in DESCRIPTIONS.items()],
+    partitions_def=LEDGER_PARTITIONS,
+    backfill_policy=BackfillPolicy.single_run(),
 )
 def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
     wh = warehouse.open(spark.session())
-    tables = compute_buffer_tables(wh.read(LEDGER_ENTRIES))
-    violations = tables.violations
-    context.log.info(f"protocol violations in ledger_entries: {violations}")
-    try:
-        frames = {
-            TXN_MARKERS: tables.txn_markers,
-            STABLE_POSITIONS: tables.stable_positions,
-            ABORTED_TXNS: tables.aborted_txns,
-            COMMITTED_ENTRIES: tables.committed_entries,
-        }
-        for table, frame in frames.items():
-            wh.overwrite(table, frame)
-            context.log.info(f"wrote {table}")
-    finally:
-        tables.unpersist()
+    keys = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    first, last = context.partition_key_range.start, context.partition_key_range.end
+    in_range = [k for k in keys if first <= k <= last]  # zero-padded: string order is ledger order
+    every_partition = bool(keys) and first == keys[0] and last == keys[-1]
+    refresh = refresh_buffer(
+        wh, ledger_inventory(wh), ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition
+    )
+    context.log.info(f"transaction buffer: {refresh.summary()}; protocol violations there: {refresh.violations}")
     stable = wh.read(STABLE_POSITIONS)
-    lag = stable.agg(
-        F.count("*").alias("topics"),
-        F.sum("ongoing_txn_count").alias("ongoing"),
-    ).first()
+    lag = stable.agg(F.count("*").alias("topics"), F.sum("ongoing_txn_count").alias("ongoing")).first()
     extra = {
-        "violations": MetadataValue.json(dict(violations)),
+        "mode": "full" if refresh.full else "incremental",
+        "ledgers_recomputed": len(refresh.ledgers),
+        "deleted_ledgers_dropped": MetadataValue.json(refresh.deleted_ledgers),
+        "topics_recomputed_after_deletion": MetadataValue.json(refresh.recomputed_topics),
+        "violations": MetadataValue.json(dict(refresh.violations)),
         "topics": lag["topics"],
         "ongoing_txns": int(lag["ongoing"] or 0),
     }
-    for table in frames:
+    for table in DESCRIPTIONS:
         rows = wh.read(table).count()
         yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, rows, **extra))
 

@@ -3,8 +3,11 @@
 Measured side by side in one run, on the same `ledger_entries` Delta table:
 - plain copy: Spark reads ledger_entries and rewrites it once (the floor);
 - full: compute and write txn_markers, stable_positions, aborted_txns, committed_entries;
-- DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files.
-Prints seconds, rows/s, peak memory and the ratios.
+- DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files;
+- incremental: one new ledger of 50,000 entries (BENCH_NEW_LEDGER_ENTRIES) appended on top,
+  then the incremental refresh (`refresh_buffer` for that ledger), against the full computation.
+Prints seconds, rows/s, peak memory and the ratios (targets: full <= 2x plain copy, incremental
+<= 5% of full).
 """
 
 from __future__ import annotations
@@ -19,12 +22,47 @@ from pathlib import Path
 from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
 
 
-def run(entries: int, workdir: Path, seed: int = 11) -> dict:
+def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
+    """`entries` generated entries moved into one new ledger of `topic`, in their generated order."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+
+    from txn_engine.schema import LEDGER_ENTRY_COLUMNS
+
+    order = Window.orderBy("topic", "ledger_id", "entry_id")
+    frame = spark.read.parquet(str(raw)).withColumn("_n", F.row_number().over(order) - 1)
+    return frame.select(*[
+        F.lit(topic).alias(c) if c == "topic" else F.lit(ledger_id).cast("long").alias(c) if c == "ledger_id"
+        else F.col("_n").cast("long").alias(c) if c == "entry_id" else F.col(c) for c in LEDGER_ENTRY_COLUMNS
+    ])
+
+
+class WriteClock:
+    """`after_write` hook of `refresh_buffer`: prints the seconds each table's write took (where the time goes)."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._now = time.perf_counter
+        self.last = self._now()
+        self.steps: dict[str, float] = {}
+
+    def __call__(self, table: str) -> None:
+        now = self._now()
+        self.steps[table] = now - self.last
+        print(f"    {table:<46} {self.steps[table]:8.2f} s", flush=True)
+        self.last = now
+
+
+def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) -> dict:
+    from pyspark.sql import functions as F
+
     from resources.spark import get_spark, spark_startup_seconds
-    from txn_engine.buffer_jobs import compute_buffer_tables
+    from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+    from txn_engine.ledgers import derive_ledger_catalog
     from txn_engine.generate import generate_ledger_file
     from txn_engine.ingest import ingest_files
-    from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+    from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
     from txn_engine.settings import WarehouseSettings
     from txn_engine.warehouse import Warehouse
 
@@ -43,12 +81,11 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     with timed("plain copy (read + rewrite ledger_entries)") as t_copy:
         wh.overwrite("plain_copy", wh.read(LEDGER_ENTRIES))
 
-    with timed("full: four buffer tables (Spark)") as t_full:
-        tables = compute_buffer_tables(wh.read(LEDGER_ENTRIES))
-        for table, frame in [(TXN_MARKERS, tables.txn_markers), (STABLE_POSITIONS, tables.stable_positions),
-                             (ABORTED_TXNS, tables.aborted_txns), (COMMITTED_ENTRIES, tables.committed_entries)]:
-            wh.overwrite(table, frame)
-        tables.unpersist()
+    with timed("ledgers catalog (the `ledgers` asset, not timed below)"):
+        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+    with timed("full: four buffer tables + state (Spark)") as t_full:
+        full_steps = WriteClock()
+        refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_steps)
     jvm_peak = jvm_peak_rss_mib(spark)
     counts = {t: wh.read(t).count() for t in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)}
 
@@ -73,6 +110,20 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     except ImportError:
         print("  (duckdb not installed: pip install '.[dev]')")
 
+    # One new ledger on top: generated apart, appended, the catalog refreshed, then the step.
+    new_raw = workdir / "new.parquet"
+    generate_ledger_file(new_raw, entries=new_entries, seed=seed + 1, topics=1)
+    last = wh.read(LEDGER_ENTRIES).agg(F.max("ledger_id"), F.min("topic")).first()
+    new_id = last[0] + 1
+    with timed(f"append one new ledger of {new_entries:,} entries"):
+        wh.append(LEDGER_ENTRIES, new_ledger(spark, new_raw, new_entries, last[1], new_id))
+    with timed("ledgers catalog again (not in the step)"):
+        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+    with timed("incremental: the new ledger (Spark)") as t_inc:
+        inc_steps = WriteClock()
+        step = refresh_buffer(wh, ledger_inventory(wh), ledgers=[new_id], after_write=inc_steps)
+    print(f"  incremental step: {step.summary()}")
+
     result = {
         "entries": rows,
         "ingest_s": t_ingest.seconds,
@@ -82,6 +133,12 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
         "full_vs_copy": t_full.seconds / t_copy.seconds,
         "duckdb_s": duck,
         "full_vs_duckdb": (t_full.seconds / duck) if duck else None,
+        "incremental_entries": new_entries,
+        "incremental_s": t_inc.seconds,
+        "incremental_vs_full": t_inc.seconds / t_full.seconds,
+        "incremental_ledgers": len(step.ledgers),
+        "full_steps_s": {k: round(v, 2) for k, v in full_steps.steps.items()},
+        "incremental_steps_s": {k: round(v, 2) for k, v in inc_steps.steps.items()},
         "jvm_peak_rss_mib": jvm_peak,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
@@ -93,7 +150,8 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
 
 
 def run_benchmark(workdir: Path) -> dict:
-    return run(int(os.environ.get("BENCH_ENTRIES", "10000000")), workdir)
+    return run(int(os.environ.get("BENCH_ENTRIES", "10000000")), workdir,
+               new_entries=int(os.environ.get("BENCH_NEW_LEDGER_ENTRIES", "50000")))
 
 
 def main(argv=None) -> None:

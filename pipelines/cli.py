@@ -22,7 +22,7 @@ def _instance():
     return DagsterInstance.get()
 
 
-def _materialize(selection, run_config: dict | None = None):
+def _materialize(selection, run_config: dict | None = None, instance=None, tags: dict | None = None):
     """Materialize assets in this process (one SparkSession), unwrapping user errors."""
     from dagster import DagsterExecutionStepExecutionError, materialize
 
@@ -31,7 +31,8 @@ def _materialize(selection, run_config: dict | None = None):
     config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}, **(run_config or {})}
     try:
         return materialize(
-            [*ALL_ASSETS, *ALL_CHECKS], selection=selection, resources=RESOURCES, run_config=config, instance=_instance()
+            [*ALL_ASSETS, *ALL_CHECKS], selection=selection, resources=RESOURCES, run_config=config,
+            instance=instance or _instance(), tags=tags,
         )
     except DagsterExecutionStepExecutionError as exc:
         cause = exc.user_exception or exc.__cause__
@@ -41,7 +42,9 @@ def _materialize(selection, run_config: dict | None = None):
 
 
 def _print_materializations(result) -> None:
-    for event in result.get_asset_materialization_events():
+    # A run over a partition range reports each asset once per partition: print each asset once.
+    latest = {e.event_specific_data.materialization.asset_key: e for e in result.get_asset_materialization_events()}
+    for event in latest.values():
         mat = event.event_specific_data.materialization
         meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
         print(f"  {mat.asset_key.to_user_string():<24} rows={meta.get('rows')}  {meta.get('table_location', '')}")
@@ -72,10 +75,32 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from pipelines.definitions import DERIVED_SELECTION
 
+    from dagster import AssetSelection
+
+    from pipelines.buffer_sensors import BUFFER_SELECTION, new_closed_ledger_keys, range_tags
+    from pipelines.definitions import RESOURCES
+    from pipelines.partitions import LEDGER_PARTITIONS
+    from txn_engine.schema import LEDGERS
+
     started = time.perf_counter()
     print("materializing every derived asset over the warehouse, in this process ...", flush=True)
-    result = _materialize(DERIVED_SELECTION)
+    instance = _instance()  # one instance: the ledger partitions added below must be seen by the run
+    catalog = _materialize(AssetSelection.assets(LEDGERS), instance=instance)
+    # The transaction buffer is partitioned by closed ledger: add the newly closed ones, then run
+    # the whole range (a full recompute; the OPEN ledgers are included by every buffer run).
+    new = new_closed_ledger_keys(RESOURCES["warehouse"].open(RESOURCES["spark"].session()), instance)
+    if new:
+        instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
+        print(f"  {len(new)} newly closed ledger(s) added as partitions of the transaction buffer")
+    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    rest = DERIVED_SELECTION - AssetSelection.assets(LEDGERS)
+    if keys:
+        result = _materialize(rest, instance=instance, tags=range_tags(keys[0], keys[-1]))
+    else:
+        print("  no closed ledger yet: the transaction buffer tables (and the models reading them) wait for one")
+        result = _materialize(rest - BUFFER_SELECTION.downstream(), instance=instance)
     print(f"done in {time.perf_counter() - started:.1f}s:")
+    _print_materializations(catalog)
     _print_materializations(result)
     return 0
 

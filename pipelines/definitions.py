@@ -17,6 +17,7 @@ from assets.snapshots import GROUP as SNAPSHOT_GROUP
 from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
+from pipelines.buffer_sensors import ledgers_closed_sensor, transaction_buffer_job
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
@@ -58,8 +59,8 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS],
-    sensors=[txn_timeout_sensor, *SNAPSHOT_SENSORS],
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS],
+    sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS],
     schedules=[*SNAPSHOT_SCHEDULES],
     resources=RESOURCES,
     executor=in_process_executor,

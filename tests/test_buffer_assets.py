@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from dagster import AssetKey, materialize
+from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, materialize
 
-from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, DERIVED_SELECTION
+from pipelines.buffer_sensors import range_tags
+from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
+from pipelines.partitions import LEDGER_PARTITIONS
+from tests.dagster_runs import derive_all, sensor_tick
 from tests.rows import entry, write_jsonl
+from txn_engine.buffer_jobs import compute_buffer_tables
 from txn_engine.ingest import ingest_files
-from txn_engine.schema import COMMITTED_ENTRIES, STABLE_POSITIONS
+from txn_engine.positions import ledger_partition_key
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    LEDGERS,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
+)
 
 T1, T2, T3 = (0, 1), (0, 2), (0, 3)
 # The offload seed's worked example (stable positions -1,-1,-1,0,0,0,4,7 over its prefixes),
@@ -26,9 +38,20 @@ def check_results(result):
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
 
+def metadata(result, key: str) -> dict:
+    [mat, *_] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
+                 if e.event_specific_data.materialization.asset_key == AssetKey(key)]
+    return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+
+
+def table_rows(warehouse) -> dict:
+    return {t: sorted(map(tuple, warehouse.read(t).collect())) for t in (TXN_MARKERS, ABORTED_TXNS, STABLE_POSITIONS,
+                                                                         COMMITTED_ENTRIES)}
+
+
 def test_buffer_tables_and_checks(warehouse, dagster_resources, tmp_path):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
-    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=DERIVED_SELECTION, resources=dagster_resources)
+    _, result = derive_all(dagster_resources)
     assert result.success
     stable = {r.topic: tuple(r)[1:] for r in warehouse.read(STABLE_POSITIONS).collect()}
     assert stable == {"seed": (10, 7, 10, 7, 0), "other": (12, 0, 12, 1, 1)}
@@ -36,9 +59,7 @@ def test_buffer_tables_and_checks(warehouse, dagster_resources, tmp_path):
     ledger_order = [(r.topic, r.ledger_id, r.entry_id) for r in
                     committed.where("in_stable_prefix").orderBy("topic", "ledger_id", "entry_id").collect()]
     assert ledger_order == [("other", 12, 0)] + [("seed", 10, e) for e in (0, 1, 2, 4, 5)]
-    [mat] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
-             if e.event_specific_data.materialization.asset_key == AssetKey(STABLE_POSITIONS)]
-    assert mat.metadata["violations"].value == {"duplicate": 1, "duplicate_marker": 1, "data_after_marker": 0,
+    assert metadata(result, STABLE_POSITIONS)["violations"] == {"duplicate": 1, "duplicate_marker": 1, "data_after_marker": 0,
                                                 "marker_without_data": 0}
     checks = check_results(result)
     assert set(checks) == {"stable_position_never_moves_backwards", "committed_entries_are_committed_once",
@@ -52,7 +73,55 @@ def test_stable_position_check_catches_a_step_backwards(warehouse, dagster_resou
     spark.createDataFrame([("seed", 99, 0, 99, 0, 0)], "topic string, max_read_ledger_id long, "
                           "max_read_entry_id long, last_ledger_id long, last_entry_id long, ongoing_txn_count long") \
         .write.format("delta").save(warehouse.path(STABLE_POSITIONS))
-    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=DERIVED_SELECTION, resources=dagster_resources)
+    _, result = derive_all(dagster_resources)
     checks = check_results(result)
     assert not checks["stable_position_never_moves_backwards"].passed
     assert "seed" in str(checks["stable_position_never_moves_backwards"].metadata["topics_moved_back"].value)
+
+
+def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(warehouse, dagster_resources, tmp_path):
+    instance = DagsterInstance.ephemeral()
+    assets = [*ALL_ASSETS, *ALL_CHECKS]
+    buffer = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)
+
+    def tick_and_run(rows, name):
+        ingest_files(warehouse, [str(write_jsonl(tmp_path / name, rows))])
+        assert materialize(assets, selection=AssetSelection.assets(LEDGERS), resources=dagster_resources,
+                           instance=instance).success
+        tick = sensor_tick(instance, dagster_resources)
+        [request] = tick.run_requests
+        run = materialize(assets, selection=buffer, resources=dagster_resources, instance=instance, tags=request.tags)
+        assert run.success and all(c.passed for c in run.get_asset_check_evaluations())
+        return request, run
+
+    # Ledger 10 of "seed" stays OPEN (its topic's last) and grows; "other" closes 11, then 12.
+    request, run = tick_and_run(HISTORY, "a.jsonl")
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(11)]
+    assert metadata(run, STABLE_POSITIONS)["mode"] == "full"  # the only partition: everything
+    later = [entry("seed", 10, 8, txn=(0, 4)), entry("seed", 10, 9, producer=8, seq=1),
+             entry("other", 14, 0, "COMMIT", txn=(1, 2)), entry("other", 14, 1, txn=(1, 1))]
+    request, run = tick_and_run(later, "b.jsonl")
+    assert request.tags == range_tags(ledger_partition_key(12), ledger_partition_key(12))
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(i) for i in (11, 12)]
+    meta = metadata(run, STABLE_POSITIONS)
+    # Ledger 12 (closed now), the OPEN ledger 10 that grew and the new OPEN ledger 14; 11 is not reread.
+    assert (meta["mode"], meta["ledgers_recomputed"]) == ("incremental", 3)
+    assert meta["violations"]["data_after_marker"] == 1  # (14, 1): txn (1, 1) was aborted in ledger 11
+    incremental = table_rows(warehouse)
+    full = compute_buffer_tables(warehouse.read(LEDGER_ENTRIES))
+    try:
+        assert incremental == {t: sorted(map(tuple, f.collect())) for t, f in [
+            (TXN_MARKERS, full.txn_markers), (ABORTED_TXNS, full.aborted_txns), (STABLE_POSITIONS, full.stable_positions),
+            (COMMITTED_ENTRIES, full.committed_entries)]}
+    finally:
+        full.unpersist()
+    stable = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in warehouse.read(STABLE_POSITIONS).collect()}
+    assert stable == {"seed": (10, 7), "other": (14, 1)}
+
+    # A backfill over one ledger (one run, a partition range) recomputes exactly that ledger.
+    backfill = materialize(assets, selection=buffer, resources=dagster_resources, instance=instance,
+                           tags=range_tags(ledger_partition_key(11), ledger_partition_key(11)))
+    meta = metadata(backfill, STABLE_POSITIONS)
+    assert (meta["mode"], meta["ledgers_recomputed"]) == ("incremental", 1)
+    assert table_rows(warehouse) == incremental
+    assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)  # nothing newly closed

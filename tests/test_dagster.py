@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dagster import AssetKey, AssetSelection, materialize
 
-from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
+from pipelines.definitions import ALL_ASSETS, defs
+from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
@@ -22,6 +23,8 @@ def test_definitions_load_with_every_asset_and_sql_deps():
     assert graph.get(AssetKey("ledger_sizes")).parent_keys == {AssetKey(LEDGER_ENTRIES), AssetKey(LEDGERS)}
     assert graph.get(AssetKey(LEDGERS)).parent_keys == {AssetKey(LEDGER_ENTRIES)}
     assert defs.resolve_job_def("derive_all") is not None
+    assert defs.resolve_job_def("transaction_buffer").partitions_def.name == "ledgers"
+    assert defs.resolve_sensor_def("ledgers_closed_sensor") is not None
 
 
 def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_root, tmp_path):
@@ -40,12 +43,12 @@ def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_
     assert meta["table_location"] == str(warehouse_root / LEDGER_ENTRIES)
     assert metadata_of(ingest, QUARANTINE_ENTRIES)["rows"] == 1
 
-    derived = materialize(ALL_ASSETS, selection=DERIVED_SELECTION, resources=dagster_resources)
+    catalog, derived = derive_all(dagster_resources)
     assert derived.success
     materialized = {e.event_specific_data.materialization.asset_key.to_user_string()
-                    for e in derived.get_asset_materialization_events()}
-    assert {LEDGERS, "ledger_sizes"} <= materialized and LEDGER_ENTRIES not in materialized
-    assert metadata_of(derived, LEDGERS)["ledgers_by_state"] == {"CLOSED": 1, "OPEN": 1}
+                    for e in [*catalog.get_asset_materialization_events(), *derived.get_asset_materialization_events()]}
+    assert {LEDGERS, "ledger_sizes", "stable_positions"} <= materialized and LEDGER_ENTRIES not in materialized
+    assert metadata_of(catalog, LEDGERS)["ledgers_by_state"] == {"CLOSED": 1, "OPEN": 1}
     sizes = metadata_of(derived, "ledger_sizes")
     assert sizes["rows"] == 2 and "| orders-0 | 1 | CLOSED | 5 |" in sizes["preview"]
     assert (warehouse_root / "ledger_sizes" / "_delta_log").is_dir()

@@ -145,20 +145,20 @@ def classify_entries(entries: DataFrame, persist: bool = False) -> BufferFacts:
     """
     require_ledger_entries(entries)
     narrow = entries.select(*NARROW_COLUMNS)
-    duplicates = _duplicate_positions(narrow)
+    duplicates = duplicate_positions(narrow)
     if persist:
         duplicates = duplicates.cache()
-    by_ledger_txn = _by_ledger_txn(narrow, duplicates)
+    ledger_txns = by_ledger_txn(narrow, duplicates)
     if persist:
-        by_ledger_txn = by_ledger_txn.cache()
-    txns = _txns(by_ledger_txn)
+        ledger_txns = ledger_txns.cache()
+    txns = txns_from_ledger_txns(ledger_txns)
     if persist:
         txns = txns.cache()
-    ledgers = by_ledger_txn.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-    return BufferFacts(entries, duplicates, by_ledger_txn, ledgers, txns)
+    ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+    return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
 
 
-def _duplicate_positions(narrow: DataFrame) -> DataFrame:
+def duplicate_positions(narrow: DataFrame) -> DataFrame:
     sequenced = narrow.filter(is_data() & has_sequence()).select(
         *SEQUENCE_KEY, "ledger_id", "entry_id", F.xxhash64(*SEQUENCE_KEY).alias("_key_hash")
     )
@@ -175,16 +175,18 @@ def _duplicate_positions(narrow: DataFrame) -> DataFrame:
     )
 
 
-def _by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """Per (topic, ledger_id, txn): last entry, marker count, first marker and first kept data entry.
+def by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
+    """Per (topic, ledger_id, txn): entry count, last entry, marker count, first marker and first kept data entry.
 
     Non-transactional entries fall in the (topic, ledger_id, null, null) group: they only count
-    for the ledger's last entry.
+    for the ledger's size and last entry. Only the `duplicates` make a row depend on other
+    ledgers, which is what lets the incremental path persist these rows per ledger.
     """
     flagged = narrow.join(F.broadcast(duplicates.withColumn("_dup", F.lit(True))), list(POSITION_COLUMNS), "left")
     marker_entry = F.when(is_marker(), F.col("entry_id"))
     kept_data_entry = F.when(is_data() & has_txn() & F.col("_dup").isNull(), F.col("entry_id"))
     return flagged.groupBy("topic", "ledger_id", "txn_most_bits", "txn_least_bits").agg(
+        F.count("*").alias("entry_count"),
         F.max("entry_id").alias("last_entry_id"),
         F.count(marker_entry).alias("marker_count"),
         F.min(marker_entry).alias("marker_entry_id"),
@@ -194,7 +196,7 @@ def _by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
     )
 
 
-def _txns(by_ledger_txn: DataFrame) -> DataFrame:
+def txns_from_ledger_txns(by_ledger_txn: DataFrame) -> DataFrame:
     # Each ledger occurs once per txn here, so min_by(entry, ledger) is the lexicographic minimum.
     marker_ledger = F.when(F.col("marker_entry_id").isNotNull(), F.col("ledger_id"))
     data_ledger = F.when(F.col("data_entry_id").isNotNull(), F.col("ledger_id"))
@@ -283,15 +285,29 @@ def stable_from_facts(facts: BufferFacts) -> DataFrame:
 def committed_from_facts(facts: BufferFacts, stable: DataFrame) -> DataFrame:
     """The read-committed view: kept DATA of no transaction or of a committed one, before its marker."""
     data = facts.entries.filter(is_data()).join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
+    return read_committed(data, committed_txns(facts.txns), stable)
+
+
+def committed_txns(txns: DataFrame) -> DataFrame:
+    """(topic, txn, visible_ledger_id, visible_entry_id): the committed transactions and their commit marker."""
+    return txns.filter(F.col("outcome") == EntryType.COMMIT.value).select(
+        *TXN_KEY, F.col("marker_ledger_id").alias("visible_ledger_id"), F.col("marker_entry_id").alias("visible_entry_id")
+    )
+
+
+def read_committed(data: DataFrame, committed: DataFrame, stable: DataFrame) -> DataFrame:
+    """`committed_entries` rows from kept DATA rows (duplicates already removed) and `committed_txns`.
+
+    Transactional rows of a transaction missing from `committed` are left out, so a caller can
+    pass more data than it wants rows for (the incremental path passes only the transactions
+    committed in the ledgers it recomputes).
+    """
     # Non-transactional rows stay where they are: visible at their own position, no shuffle.
     plain = data.filter(~has_txn()).select(
         *LEDGER_ENTRY_COLUMNS,
         F.col("ledger_id").alias("visible_ledger_id"),
         F.col("entry_id").alias("visible_entry_id"),
         F.lit(0).cast("long").alias("local_seq"),
-    )
-    committed = facts.txns.filter(F.col("outcome") == EntryType.COMMIT.value).select(
-        *TXN_KEY, F.col("marker_ledger_id").alias("visible_ledger_id"), F.col("marker_entry_id").alias("visible_entry_id")
     )
     # The one shuffle of full rows: by transaction, which the join and the numbering share.
     in_txn = (

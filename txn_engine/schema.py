@@ -256,3 +256,42 @@ TXN_SNAPSHOT_STATE_SCHEMA = StructType(
         StructField("updated_at", TimestampType(), False),
     ]
 )
+
+# The transaction buffer's incremental state (internal, not part of the contract): per-ledger
+# facts that the contract tables are folded from, so a run reads only the ledgers it recomputes.
+BUFFER_LEDGER_TXNS = "buffer_ledger_txns"
+BUFFER_SEQUENCE_RANGES = "buffer_sequence_ranges"
+BUFFER_DUPLICATES = "buffer_duplicates"
+BUFFER_PENDING_ENTRIES = "buffer_pending_entries"
+
+# Per (topic, ledger, transaction; null for non-transactional entries), from that ledger alone
+# once its duplicates are known.
+BUFFER_LEDGER_TXNS_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("txn_most_bits", LongType(), True),
+        StructField("txn_least_bits", LongType(), True),
+        StructField("entry_count", LongType(), False),
+        StructField("last_entry_id", LongType(), False),
+        StructField("marker_count", LongType(), False),
+        StructField("marker_entry_id", LongType(), True),
+        StructField("marker_is_commit", BooleanType(), True),
+        StructField("data_entry_id", LongType(), True),
+    ]
+)
+
+# The exact set of (producer_id, sequence_id) pairs of DATA entries per (topic, ledger), as runs
+# of consecutive sequence ids: what de-duplication of later ledgers checks against.
+BUFFER_SEQUENCE_RANGES_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("producer_id", LongType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("first_sequence_id", LongType(), False),
+        StructField("last_sequence_id", LongType(), False),
+    ]
+)
+
+BUFFER_DUPLICATES_SCHEMA = StructType([StructField(c, LongType() if c != "topic" else StringType(), False)
+                                       for c in POSITION_COLUMNS])

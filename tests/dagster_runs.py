@@ -1,0 +1,33 @@
+"""Dagster runs as `txnlake run` and the daemon make them, for tests: in-process, real instance."""
+
+from __future__ import annotations
+
+from dagster import AssetSelection, DagsterInstance, SensorResult, build_sensor_context, materialize
+
+from pipelines.buffer_sensors import ledgers_closed_sensor, range_tags
+from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, DERIVED_SELECTION
+from pipelines.partitions import LEDGER_PARTITIONS
+from txn_engine.schema import LEDGERS
+
+
+def derive_all(resources, instance=None):
+    """What `txnlake run` does: the catalog run, the closed ledgers added as partitions, one run over all of them."""
+    instance = instance or DagsterInstance.ephemeral()
+    assets = [*ALL_ASSETS, *ALL_CHECKS]
+    catalog = materialize(assets, selection=AssetSelection.assets(LEDGERS), resources=resources, instance=instance)
+    assert catalog.success
+    sensor = sensor_tick(instance, resources)
+    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    assert keys, sensor
+    rest = materialize(assets, selection=DERIVED_SELECTION - AssetSelection.assets(LEDGERS), resources=resources,
+                       instance=instance, tags=range_tags(keys[0], keys[-1]))
+    return catalog, rest
+
+
+def sensor_tick(instance, resources):
+    """Evaluate the sensor and apply its partition requests, as the daemon would."""
+    result = ledgers_closed_sensor(build_sensor_context(instance=instance, resources=resources))
+    if isinstance(result, SensorResult):
+        for request in result.dynamic_partitions_requests:
+            instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result

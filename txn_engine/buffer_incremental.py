@@ -1,0 +1,390 @@
+"""The transaction buffer, incrementally: recompute only some ledgers, keep the tables equal to a full run.
+
+`refresh_buffer` writes the four contract tables (`txn_markers`, `stable_positions`,
+`aborted_txns`, `committed_entries`) from per-ledger facts it persists in four internal tables,
+so that processing newly closed ledgers reads those ledgers' entries, not the history:
+
+- `buffer_ledger_txns`: `buffer_jobs.by_ledger_txn`, one row per (topic, ledger, transaction).
+  Every other fact is a fold of these rows (`txns_from_ledger_txns`, the stable position, the
+  ledgers' last entries), so a run refolds them all (narrow: about one row per transaction and
+  ledger) and never rereads old entries.
+- `buffer_sequence_ranges`: per (topic, producer, ledger) the runs of consecutive sequence ids
+  of its DATA entries: the exact set of pairs, usually one row per producer and ledger. An entry
+  is a duplicate when an earlier ledger's run holds its pair, or an earlier entry of the same
+  recomputed ledgers has it (`buffer_jobs.duplicate_positions`): the brief's rule, exactly.
+- `buffer_duplicates`: the duplicate positions (dropped wherever rows are read back).
+- `buffer_pending_entries`: full rows of kept transactional DATA whose transaction has no marker
+  in the same ledger: the only old rows a later commit marker can make visible.
+
+Which ledgers a run recomputes (its *scope*):
+- the ledgers it is asked for (a Dagster partition range);
+- every ledger of `inventory` (the `ledgers` catalog) whose entry count or last entry differs
+  from what the state holds: new ledgers, the OPEN ledger that grew, a ledger never processed.
+  So the contract tables describe every ledger the catalog lists, the OPEN ones included;
+- every ledger of a topic that lost a ledger (retention deleted its rows): a deleted ledger can
+  change which later entry is a duplicate, which data is late, which transaction is ongoing, and
+  `local_seq`, so the topic is recomputed from what `ledger_entries` still holds.
+Rows of the contract tables are attributed to a ledger (`txn_markers.ledger_id`,
+`aborted_txns.abort_ledger_id`, `committed_entries.visible_ledger_id`) and a run replaces
+exactly the rows of its scope (Delta `replaceWhere`); `stable_positions` (a row per topic) is
+rewritten; `in_stable_prefix` of older rows is updated where the stable position moved.
+
+Without state (first run) or with `full=True`, the scope is everything and every table is
+overwritten: the same functions, so a full recompute and the incremental path agree.
+
+Write order, for crash safety: contract tables first (`stable_positions` after the
+`in_stable_prefix` update that it records), `buffer_ledger_txns` last. It is the
+record of what is done: a run stopped before it leaves the scope's ledgers looking unprocessed
+(or deleted ledgers still present), and the next run recomputes them. `after_write` is called
+after each table is written (tests inject crashes there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from delta.tables import DeltaTable
+from pyspark.sql import DataFrame, Window
+from pyspark.sql import functions as F
+
+from txn_engine.buffer_jobs import (
+    NARROW_COLUMNS,
+    SEQUENCE_KEY,
+    TXN_KEY,
+    VIOLATIONS,
+    BufferFacts,
+    aborted_from_facts,
+    by_ledger_txn,
+    committed_txns,
+    conform,
+    duplicate_positions,
+    has_sequence,
+    has_txn,
+    is_data,
+    markers_from_facts,
+    position_lt,
+    read_committed,
+    require_ledger_entries,
+    stable_from_facts,
+    txns_from_ledger_txns,
+)
+from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    BUFFER_DUPLICATES,
+    BUFFER_DUPLICATES_SCHEMA,
+    BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
+    BUFFER_PENDING_ENTRIES,
+    BUFFER_SEQUENCE_RANGES,
+    BUFFER_SEQUENCE_RANGES_SCHEMA,
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
+    LEDGERS,
+    POSITION_COLUMNS,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
+)
+from txn_engine.transaction_buffer import Violation
+from txn_engine.warehouse import Warehouse
+
+STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
+# The column that attributes a row to the ledger whose recomputation rewrites it.
+LEDGER_COLUMN = {
+    TXN_MARKERS: "ledger_id",
+    ABORTED_TXNS: "abort_ledger_id",
+    COMMITTED_ENTRIES: "visible_ledger_id",
+    BUFFER_PENDING_ENTRIES: "ledger_id",
+    BUFFER_DUPLICATES: "ledger_id",
+    BUFFER_SEQUENCE_RANGES: "ledger_id",
+    BUFFER_LEDGER_TXNS: "ledger_id",
+}
+
+
+@dataclass
+class BufferRefresh:
+    """What one `refresh_buffer` run did."""
+
+    full: bool
+    ledgers: list[int]  # ledgers whose facts were (re)computed; every ledger when full
+    deleted_ledgers: list[int] = field(default_factory=list)
+    recomputed_topics: list[str] = field(default_factory=list)  # whole topics, after a deletion
+    violations: dict[str, int] = field(default_factory=dict)  # in the recomputed ledgers
+    rows_written: dict[str, int] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.full:
+            return f"full recompute of {len(self.ledgers)} ledgers"
+        text = f"recomputed {len(self.ledgers)} ledgers"
+        if self.deleted_ledgers:
+            text += f"; {len(self.deleted_ledgers)} deleted ledgers dropped, topics {self.recomputed_topics} recomputed"
+        return text
+
+
+# -- pure DataFrame steps ----------------------------------------------------------------------
+
+def sequence_ranges(narrow: DataFrame) -> DataFrame:
+    """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids of DATA entries.
+
+    Two hash aggregates decide most groups (distinct ids, then min/max/count: a group is one run
+    when its count fills the span); only groups with gaps are sorted to find their runs.
+    """
+    group = ["topic", "producer_id", "ledger_id"]
+    distinct = narrow.filter(is_data() & has_sequence()).select(*group, "sequence_id").distinct()
+    spans = distinct.groupBy(*group).agg(
+        F.min("sequence_id").alias("first_sequence_id"),
+        F.max("sequence_id").alias("last_sequence_id"),
+        F.count("*").alias("_n"),
+    )
+    one_run = F.col("_n") == F.col("last_sequence_id") - F.col("first_sequence_id") + 1
+    whole = spans.filter(one_run).drop("_n")
+    gappy = distinct.join(spans.filter(~one_run).select(*group), group, "left_semi")
+    island = F.col("sequence_id") - F.row_number().over(Window.partitionBy(*group).orderBy("sequence_id"))
+    runs = gappy.withColumn("_island", island).groupBy(*group, "_island").agg(
+        F.min("sequence_id").alias("first_sequence_id"), F.max("sequence_id").alias("last_sequence_id")
+    )
+    return conform(whole.unionByName(runs.drop("_island")), BUFFER_SEQUENCE_RANGES_SCHEMA)
+
+
+def duplicates_of_earlier_ledgers(narrow: DataFrame, earlier_ranges: DataFrame) -> DataFrame:
+    """Positions of DATA entries whose (producer_id, sequence_id) a run of an earlier ledger of the topic holds."""
+    sequenced = narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_KEY, "ledger_id", "entry_id")
+    ranges = earlier_ranges.select(
+        "topic", "producer_id", F.col("ledger_id").alias("_rl"), "first_sequence_id", "last_sequence_id"
+    )
+    hit = sequenced.join(ranges, ["topic", "producer_id"]).filter(
+        (F.col("_rl") < F.col("ledger_id"))
+        & F.col("sequence_id").between(F.col("first_sequence_id"), F.col("last_sequence_id"))
+    )
+    return hit.select(*POSITION_COLUMNS).distinct()
+
+
+def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: DataFrame) -> DataFrame:
+    """Kept transactional DATA rows whose transaction has no marker in their own ledger."""
+    unmarked = ledger_txns.filter(has_txn() & (F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
+    # Usually few (transactions spanning a ledger boundary, and the ongoing ones): broadcast.
+    keys = F.broadcast(unmarked.select("topic", "ledger_id", "txn_most_bits", "txn_least_bits"))
+    rows = (
+        entries.filter(is_data() & has_txn())
+        .join(keys, ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"], "left_semi")
+        .join(F.broadcast(duplicates), list(POSITION_COLUMNS), "left_anti")
+    )
+    return conform(rows, LEDGER_ENTRIES_SCHEMA)
+
+
+def scoped_violations(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
+    """Per topic, the violations whose entry lies in the recomputed ledgers (`facts.entries`).
+
+    A marker counts where it is: `duplicate_marker` for each marker of the scope that is not its
+    transaction's first, `marker_without_data` for first markers of the scope with no kept data
+    before them. Summed over the runs of a history they give the full run's totals.
+    """
+    txns = facts.txns.select(
+        *TXN_KEY, "marker_ledger_id", "marker_entry_id", "first_data_ledger_id", "first_data_entry_id"
+    )
+    scope_markers = (
+        scope_ledger_txns.filter(has_txn() & (F.col("marker_count") > 0))
+        .select(*TXN_KEY, "ledger_id", "marker_count")
+        .join(txns, list(TXN_KEY))
+    )
+    is_first_here = F.col("marker_ledger_id") == F.col("ledger_id")
+    data_before = F.col("first_data_ledger_id").isNotNull() & position_lt(
+        F.col("first_data_ledger_id"), F.col("first_data_entry_id"), F.col("marker_ledger_id"), F.col("marker_entry_id")
+    )
+    per_marker = scope_markers.groupBy("topic").agg(
+        F.sum(F.col("marker_count") - F.when(is_first_here, 1).otherwise(0)).alias(Violation.DUPLICATE_MARKER.value),
+        F.count(F.when(is_first_here & ~data_before, 1)).alias(Violation.MARKER_WITHOUT_DATA.value),
+    )
+    duplicates = facts.duplicates.groupBy("topic").agg(F.count("*").alias(Violation.DUPLICATE.value))
+    late = (
+        facts.entries.filter(is_data() & has_txn())
+        .select(*TXN_KEY, "ledger_id", "entry_id")
+        .join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
+        .join(txns.filter(F.col("marker_ledger_id").isNotNull()), list(TXN_KEY))
+        .filter(position_lt(F.col("marker_ledger_id"), F.col("marker_entry_id"), F.col("ledger_id"), F.col("entry_id")))
+        .groupBy("topic")
+        .agg(F.count("*").alias(Violation.DATA_AFTER_MARKER.value))
+    )
+    topics = scope_ledger_txns.select("topic").distinct()
+    joined = topics.join(duplicates, "topic", "left").join(per_marker, "topic", "left").join(late, "topic", "left")
+    return joined.select("topic", *[F.coalesce(F.col(v), F.lit(0)).cast("long").alias(v) for v in VIOLATIONS])
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+def ledger_ids_predicate(column: str, ledger_ids: Iterable[int]) -> str:
+    ids = sorted(set(int(i) for i in ledger_ids))
+    return f"{column} IN ({', '.join(map(str, ids))})" if ids else "false"
+
+
+def ledger_inventory(wh: Warehouse) -> DataFrame:
+    """(topic, ledger_id, entry_count, last_entry_id) of every ledger, from the `ledgers` catalog.
+
+    The catalog is what the sensor and `txnlake run` refresh before the buffer runs; without one
+    it is derived here. DELETED ledgers are gone: retention deletes their rows.
+    """
+    catalog = wh.read(LEDGERS) if wh.exists(LEDGERS) else derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))
+    return catalog.filter((F.col("state") != "DELETED") & (F.col("entry_count") > 0)).select(
+        "topic", "ledger_id", "entry_count", "last_entry_id"
+    )
+
+
+def _has_state(wh: Warehouse) -> bool:
+    return all(wh.exists(t) for t in (*STATE_TABLES, TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS))
+
+
+def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable[int]) -> tuple[set[int], set[int], set[str]]:
+    """(ledgers to recompute, deleted ledgers, topics recomputed whole) from the catalog and the state.
+
+    `inventory`: (topic, ledger_id, entry_count, last_entry_id) of every ledger `ledger_entries`
+    holds; `ledger_txns`: the persisted `buffer_ledger_txns`.
+    """
+    known = ledger_txns.groupBy("topic", "ledger_id").agg(
+        F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id")
+    )
+    now = inventory.select("topic", "ledger_id", "entry_count", "last_entry_id")
+    changed = {r.ledger_id for r in now.join(known, ["topic", "ledger_id", "entry_count", "last_entry_id"], "left_anti").collect()}
+    deleted_rows = known.join(now, ["topic", "ledger_id"], "left_anti").select("topic", "ledger_id").collect()
+    deleted = {r.ledger_id for r in deleted_rows}
+    topics = {r.topic for r in deleted_rows}
+    wanted = set(int(i) for i in requested) & {r.ledger_id for r in now.select("ledger_id").collect()}
+    whole_topics = {r.ledger_id for r in now.filter(F.col("topic").isin(sorted(topics))).select("ledger_id").collect()} if topics else set()
+    return wanted | changed | whole_topics, deleted, topics
+
+
+def refresh_buffer(
+    wh: Warehouse,
+    inventory: DataFrame,
+    ledgers: Iterable[int] = (),
+    full: bool = False,
+    after_write: Callable[[str], None] | None = None,
+) -> BufferRefresh:
+    """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
+
+    `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id) per ledger
+    that `ledger_entries` holds (the `ledgers` table without its DELETED rows).
+    """
+    entries_all = wh.read(LEDGER_ENTRIES)
+    require_ledger_entries(entries_all)
+    full = full or not _has_state(wh)
+    if full:
+        scope: set[int] = set()
+        deleted: set[int] = set()
+        topics: set[str] = set()
+        entries = entries_all
+        kept_state = None
+    else:
+        state = wh.read(BUFFER_LEDGER_TXNS)
+        scope, deleted, topics = plan_scope(inventory, state, ledgers)
+        if not scope and not deleted:
+            return BufferRefresh(full=False, ledgers=[])
+        replaced = sorted(scope | deleted)
+        # Small (the scope's entries) and read by every table: scanned from Delta once.
+        entries = entries_all.filter(F.col("ledger_id").isin(sorted(scope))).cache()
+        kept_state = {t: wh.read(t).filter(~F.col("ledger_id").isin(replaced)) for t in STATE_TABLES}
+
+    narrow = entries.select(*NARROW_COLUMNS)
+    duplicates = duplicate_positions(narrow)
+    if kept_state is not None:
+        duplicates = duplicates.unionByName(duplicates_of_earlier_ledgers(narrow, kept_state[BUFFER_SEQUENCE_RANGES])).distinct()
+    duplicates = duplicates.cache()
+    scope_ledger_txns = conform(by_ledger_txn(narrow, duplicates), BUFFER_LEDGER_TXNS_SCHEMA).cache()
+    all_ledger_txns = scope_ledger_txns if kept_state is None else scope_ledger_txns.unionByName(kept_state[BUFFER_LEDGER_TXNS])
+    txns = txns_from_ledger_txns(all_ledger_txns).cache()
+    last_entries = all_ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+    facts = BufferFacts(entries, duplicates, all_ledger_txns, last_entries, txns)
+    stable = stable_from_facts(facts).cache()
+    cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
+    try:
+        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, after_write)
+        result.full, result.recomputed_topics = full, sorted(topics)
+        result.deleted_ledgers = sorted(deleted)
+        counts = scoped_violations(facts, scope_ledger_txns).agg(*[F.sum(v).alias(v) for v in VIOLATIONS]).first()
+        result.violations = {v: int(counts[v] or 0) for v in VIOLATIONS}
+        return result
+    finally:
+        for frame in cached:
+            frame.unpersist()
+
+
+def _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, after_write) -> BufferRefresh:
+    full = kept_state is None
+    replaced = sorted(scope | deleted)
+    in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
+
+    def write(table: str, frame: DataFrame) -> None:
+        if full:
+            wh.overwrite(table, frame)
+        else:
+            wh.overwrite(table, frame, replace_where=ledger_ids_predicate(LEDGER_COLUMN[table], replaced))
+        if after_write:
+            after_write(table)
+
+    markers = markers_from_facts(facts)
+    aborted = aborted_from_facts(facts)
+    data = facts.entries.filter(is_data()).join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
+    committed = committed_txns(facts.txns)
+    if not full:
+        markers = markers.filter(in_scope("ledger_id"))
+        aborted = aborted.filter(in_scope("abort_ledger_id"))
+        committed = committed.filter(in_scope("visible_ledger_id"))
+        # Rows of older ledgers that a commit in the scope makes visible.
+        data = data.unionByName(kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi"))
+    old_stable = None if full else wh.read(STABLE_POSITIONS).collect()
+
+    # Contract tables first; the small ones before committed_entries (see BufferTables).
+    write(TXN_MARKERS, markers)
+    write(ABORTED_TXNS, aborted)
+    write(COMMITTED_ENTRIES, read_committed(data, committed, stable))
+    if not full:
+        _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted))
+        if after_write:
+            after_write("in_stable_prefix")
+    # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
+    # older rows agrees with, so a run stopped before this line moves them next time.
+    wh.overwrite(STABLE_POSITIONS, stable)
+    if after_write:
+        after_write(STABLE_POSITIONS)
+    # State last, buffer_ledger_txns the very last: it records what is done.
+    write(BUFFER_PENDING_ENTRIES, pending_entries(facts.entries, facts.duplicates, scope_ledger_txns))
+    write(BUFFER_DUPLICATES, conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA))
+    write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS)))
+    write(BUFFER_LEDGER_TXNS, scope_ledger_txns)
+    ledgers = sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full else sorted(scope)
+    return BufferRefresh(full=full, ledgers=ledgers)
+
+
+def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int]) -> None:
+    """Set `in_stable_prefix` of the committed rows not rewritten where the topic's stable position moved."""
+    old = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in old_rows}
+    moved = [(r.topic, r.max_read_ledger_id, r.max_read_entry_id, old.get(r.topic)) for r in new_rows
+             if old.get(r.topic) != (r.max_read_ledger_id, r.max_read_entry_id)]
+    if not moved:
+        return
+    source = wh.spark.createDataFrame([(t, l, e) for t, l, e, _ in moved], "topic string, _sl long, _se long")
+    at_or_below = "(t.ledger_id < s._sl OR (t.ledger_id = s._sl AND t.entry_id <= s._se))"
+    not_rewritten = f"NOT ({ledger_ids_predicate('t.visible_ledger_id', rewritten)})"
+    forward = any(prev is None or prev < (l, e) for _, l, e, prev in moved)
+    backward = any(prev is not None and prev > (l, e) for _, l, e, prev in moved)
+    with wh.writer(COMMITTED_ENTRIES):
+        table = DeltaTable.forPath(wh.spark, wh.path(COMMITTED_ENTRIES))
+        # `in_stable_prefix = false` lets Delta skip every file that holds only readable rows.
+        if forward:
+            table.alias("t").merge(
+                source.alias("s"),
+                f"t.topic = s.topic AND t.in_stable_prefix = false AND {at_or_below} AND {not_rewritten}",
+            ).whenMatchedUpdate(set={"in_stable_prefix": "true"}).execute()
+        if backward:
+            table.alias("t").merge(
+                source.alias("s"),
+                f"t.topic = s.topic AND t.in_stable_prefix = true AND NOT {at_or_below} AND {not_rewritten}",
+            ).whenMatchedUpdate(set={"in_stable_prefix": "false"}).execute()
+
+
+def closed_ledger_ids(catalog: DataFrame) -> list[int]:
+    """Ledgers of the `ledgers` catalog that are closed: CLOSED or OFFLOADED (the catalog already
+    marks CLOSED every ledger that is not its topic's last, and applies recorded states)."""
+    closed = catalog.filter(F.col("state").isin("CLOSED", "OFFLOADED")).select("ledger_id").distinct()
+    return sorted(r.ledger_id for r in closed.collect())
