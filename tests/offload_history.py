@@ -33,3 +33,27 @@ HISTORY = [
 ]
 
 COMMIT_D = [entry("t", 4, 1, "COMMIT", txn=D)]
+
+
+def derive_buffer_tables(warehouse) -> None:
+    """Write the four transaction-buffer tables from the current ledger_entries (what `txnlake run` does)."""
+    from txn_engine.buffer_jobs import compute_buffer_tables
+    from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+
+    tables = compute_buffer_tables(warehouse.read(LEDGER_ENTRIES))
+    try:
+        for name, frame in [(TXN_MARKERS, tables.txn_markers), (STABLE_POSITIONS, tables.stable_positions),
+                            (ABORTED_TXNS, tables.aborted_txns), (COMMITTED_ENTRIES, tables.committed_entries)]:
+            warehouse.overwrite(name, frame)
+    finally:
+        tables.unpersist()
+
+
+def oracle_read(rows, topic):
+    """The reference read-committed output of `topic` from the beginning: (ledger_id, entry_id) in order."""
+    from txn_engine.positions import EARLIEST
+    from txn_engine.transaction_buffer import LogEntry, replay
+
+    entries = [LogEntry.from_row({**r, "payload": None, "publish_time": None}) for r in rows]
+    buffers = replay(entries)
+    return [(e.ledger_id, e.entry_id) for e in buffers[topic].read_committed(EARLIEST)] if topic in buffers else []
