@@ -16,7 +16,7 @@ Topic `v`: ledger 8 with one plain entry: decided but OPEN, never offloaded.
 
 from tests.rows import entry
 
-A, B, C, D, E, F = (1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2)
+A, B, C, D, E, F, G = (1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (1, 5)
 
 HISTORY = [
     entry("t", 1, 0, payload=b"t-1-0"), entry("t", 1, 1, txn=A, payload=b"a-data"), entry("t", 1, 2, txn=B, payload=b"b-aborted"),

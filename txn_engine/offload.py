@@ -104,14 +104,14 @@ def content_checksum() -> Column:
     return F.coalesce(F.sum(row_hash), F.lit(0)).cast("decimal(38,0)").cast("string")
 
 
-def ledger_predicate(ledgers: Iterable[LedgerKey]) -> str:
-    """A Spark SQL predicate matching exactly these (topic, ledger_id) pairs (for replaceWhere/DELETE)."""
+def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id") -> str:
+    """A Spark SQL predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE)."""
     by_topic: dict[str, list[int]] = {}
     for topic, ledger_id in sorted(set(ledgers)):
         by_topic.setdefault(topic, []).append(int(ledger_id))
     if not by_topic:
         return "false"
-    parts = [f"(topic = {_sql_string(t)} AND ledger_id IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
+    parts = [f"(topic = {_sql_string(t)} AND {ledger_column} IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
     return " OR ".join(parts)
 
 

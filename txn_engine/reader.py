@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_jobs import position_lt
+from txn_engine.buffer_jobs import has_sequence, position_lt
 from txn_engine.errors import TableMissingError, TxnlakeError
 from txn_engine.offload import offloaded_ledgers
 from txn_engine.positions import EARLIEST, Position
@@ -71,6 +71,14 @@ class TopicReader:
             .where(mine & F.col("in_stable_prefix") & ~F.col("ledger_id").isin(cold_ids))
             .select(*LEDGER_ENTRY_COLUMNS, F.lit(HOT).alias("tier"))
         )
+        # Once retention deleted a ledger, a recomputed hot view no longer knows that a retried
+        # send repeats an entry now only in the tier; the tier's copy is the first, keep it.
+        sent_cold = (
+            wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
+            .where((F.col("topic") == topic) & F.col("ledger_id").isin(cold_ids) & has_sequence())
+            .select("producer_id", "sequence_id")
+        )
+        hot = hot.join(sent_cold, ["producer_id", "sequence_id"], "left_anti")
         return cold.unionByName(hot)
 
     def read(self, topic: str, from_position: Position = EARLIEST, max_entries: int | None = None) -> ReadBatch:
