@@ -41,6 +41,7 @@ from txn_engine.schema import (
     OFFLOADED_ENTRIES,
     OFFLOADED_ENTRIES_SCHEMA,
     POSITION_COLUMNS,
+    STABLE_POSITIONS,
 )
 from txn_engine.warehouse import Warehouse
 
@@ -250,7 +251,7 @@ def _copy_ledgers(
         .fillna({"entries_kept": 0, "bytes_after": 0, "checksum": "0"})
     )
     manifest = rows.select(*[F.col(f.name).cast(f.dataType) for f in OFFLOAD_MANIFEST_SCHEMA.fields])
-    collected = manifest.collect()
+    collected = sorted(manifest.collect(), key=lambda r: (r["topic"], r["ledger_id"]))
     manifest = wh.spark.createDataFrame(collected, OFFLOAD_MANIFEST_SCHEMA)
     # Step 2: the manifest rows: from now on readers read these ledgers from the tier.
     wh.overwrite(OFFLOAD_MANIFEST, manifest, replace_where=predicate)
@@ -267,3 +268,15 @@ def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[Led
     if topic is not None:
         manifest = manifest.where(F.col("topic") == topic)
     return {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
+
+
+def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
+    """Ledgers to offload next, cheaply: eligible by the stored `stable_positions`, not yet in the manifest.
+
+    The stored stable positions may be older than `ledger_entries`; a stable position only moves
+    forward, so they only make this list shorter, never wrong. `offload_ledgers` decides again
+    from `ledger_entries`.
+    """
+    catalog = ledger_eligibility(current_ledger_catalog(warehouse), warehouse.read(STABLE_POSITIONS))
+    eligible = {(r["topic"], r["ledger_id"]) for r in catalog.where("eligible").select("topic", "ledger_id").collect()}
+    return sorted(eligible - offloaded_ledgers(warehouse))
