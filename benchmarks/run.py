@@ -16,6 +16,7 @@ from pathlib import Path
 
 BENCHMARKS = {
     "buffer": "benchmarks.buffer_bench",
+    "offload": "benchmarks.offload_bench",
 }
 
 
