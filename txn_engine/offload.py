@@ -25,9 +25,10 @@ re-runs and backfills leave the same rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import TXN_KEY, classify_entries, has_txn, is_data, position_le, position_lt, stable_from_facts
@@ -200,7 +201,8 @@ def offload_ledgers(
         if result.states_recorded:
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
         if targets:
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook)
+            by_key = {(r["topic"], r["ledger_id"]): r for r in catalog}
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), by_key, stable_at, crash_hook)
         return result
     finally:
         for frame in facts.cached_frames():
@@ -212,6 +214,7 @@ def _copy_ledgers(
     entries: DataFrame,
     facts,
     targets: list[LedgerKey],
+    catalog: dict[LedgerKey, Row],
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
 ) -> list[dict]:
@@ -223,43 +226,45 @@ def _copy_ledgers(
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
 
-    # The manifest: counts from the classification (narrow columns only), content from the tier.
-    counts = classified.groupBy("topic", "ledger_id").agg(
-        F.min("entry_id").alias("first_entry_id"),
-        F.max("entry_id").alias("last_entry_id"),
-        F.count("*").alias("entries_before"),
-        *[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()],
-        F.sum(entry_size_bytes()).cast("long").alias("bytes_before"),
-    )
-    written = _in_ledgers(wh.read(OFFLOADED_ENTRIES), targets).groupBy("topic", "ledger_id").agg(
-        F.count("*").alias("entries_kept"),
-        F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
-        content_checksum().alias("checksum"),
-    )
-    stable_rows = wh.spark.createDataFrame(
-        [(t, p.ledger_id, p.entry_id) for t, p in stable_at.items()],
-        "topic string, max_read_ledger_id long, max_read_entry_id long",
-    )
-    rows = (
-        counts.join(written, ["topic", "ledger_id"], "left")
-        .join(F.broadcast(stable_rows), "topic")
-        .select(
-            "*",
-            F.lit(wh.path(OFFLOADED_ENTRIES)).alias("tier_location"),
-            F.current_timestamp().alias("offloaded_at"),
-        )
-        .fillna({"entries_kept": 0, "bytes_after": 0, "checksum": "0"})
-    )
-    manifest = rows.select(*[F.col(f.name).cast(f.dataType) for f in OFFLOAD_MANIFEST_SCHEMA.fields])
-    collected = sorted(manifest.collect(), key=lambda r: (r["topic"], r["ledger_id"]))
-    manifest = wh.spark.createDataFrame(collected, OFFLOAD_MANIFEST_SCHEMA)
+    # The manifest: range, count and bytes before from the catalog; the drops by reason from the
+    # classification (narrow columns: the payload is not read again); content from the tier.
+    dropped = {
+        (r["topic"], r["ledger_id"]): r
+        for r in classified.groupBy("topic", "ledger_id")
+        .agg(*[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()])
+        .collect()
+    }
+    written = {
+        (r["topic"], r["ledger_id"]): r
+        for r in _in_ledgers(wh.read(OFFLOADED_ENTRIES), targets)
+        .groupBy("topic", "ledger_id")
+        .agg(F.count("*").alias("entries_kept"), F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
+             content_checksum().alias("checksum"))
+        .collect()
+    }
+    location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
+    rows = []
+    for key in targets:
+        ledger, drops, tier = catalog[key], dropped[key], written.get(key)
+        stable = stable_at[key[0]]
+        rows.append({
+            "topic": key[0], "ledger_id": key[1],
+            "first_entry_id": ledger["first_entry_id"], "last_entry_id": ledger["last_entry_id"],
+            "entries_before": ledger["entry_count"], "entries_kept": tier["entries_kept"] if tier else 0,
+            **{c: drops[c] for c in DROP_COLUMNS.values()},
+            "bytes_before": ledger["size_bytes"], "bytes_after": tier["bytes_after"] if tier else 0,
+            "max_read_ledger_id": stable.ledger_id, "max_read_entry_id": stable.entry_id,
+            "checksum": tier["checksum"] if tier else "0", "tier_location": location, "offloaded_at": now,
+        })
+    manifest = wh.spark.createDataFrame([tuple(r[f.name] for f in OFFLOAD_MANIFEST_SCHEMA.fields) for r in rows],
+                                        OFFLOAD_MANIFEST_SCHEMA)
     # Step 2: the manifest rows: from now on readers read these ledgers from the tier.
     wh.overwrite(OFFLOAD_MANIFEST, manifest, replace_where=predicate)
     if crash_hook:
         crash_hook(AFTER_MANIFEST)
     # Step 3: the catalog state.
     record_ledger_states(wh, [(t, l, "OFFLOADED", "offloaded to the filtered tier") for t, l in targets])
-    return [r.asDict() for r in collected]
+    return rows
 
 
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
