@@ -8,7 +8,7 @@ from assets.metadata import table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
 GROUP = "ledger"
@@ -74,7 +74,7 @@ def ingest_ledger_entries(
 )
 def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
     wh = warehouse.open(spark.session())
-    catalog = derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh)).cache()
+    catalog = current_ledger_catalog(wh).cache()
     try:
         wh.overwrite(LEDGERS, catalog)
         states = {r["state"]: r["n"] for r in catalog.groupBy("state").count().withColumnRenamed("count", "n").collect()}

@@ -18,6 +18,7 @@ BENCHMARKS = {
     "buffer": "benchmarks.buffer_bench",
     "engine": "benchmarks.engine_bench",
     "snapshots": "benchmarks.snapshot_bench",
+    "offload": "benchmarks.offload_bench",
 }
 
 

@@ -161,6 +161,44 @@ def cmd_txn(args: argparse.Namespace) -> int:
     from pipelines.txn_cli import run_txn_command
 
     return run_txn_command(args)
+def _open_warehouse():
+    from resources.spark import get_spark
+    from txn_engine.settings import WarehouseSettings
+    from txn_engine.warehouse import Warehouse
+
+    return Warehouse(get_spark(), WarehouseSettings())
+
+
+def cmd_read(args: argparse.Namespace) -> int:
+    from txn_engine.positions import Position
+    from txn_engine.reader import TopicReader
+
+    try:
+        start = Position.parse(args.from_position)
+    except ValueError as exc:
+        raise TxnlakeError(str(exc)) from None
+    batch = TopicReader(_open_warehouse()).read(args.topic, start, args.max)
+    for e in batch.entries:
+        txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
+        payload = "" if e.payload is None else bytes(e.payload)[:60].decode("utf-8", errors="replace")
+        print(f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={e.key or ''}\t{payload}")
+    nxt = batch.next_position
+    print(f"-- {len(batch.entries)} entries" + (f"; continue with --from {nxt}" if nxt else ""))
+    return 0
+
+
+def cmd_offload(args: argparse.Namespace) -> int:
+    from txn_engine.offload import offload_ledgers
+
+    result = offload_ledgers(_open_warehouse(), args.ledgers or None)
+    for key in result.offloaded:
+        print(f"  offloaded {key[0]}/{key[1]}")
+    for key, reason in sorted(result.waiting.items()):
+        print(f"  waiting   {key[0]}/{key[1]}: {reason}")
+    for key in result.finished_orphans + result.rolled_back_orphans:
+        print(f"  recovered {key[0]}/{key[1]} ({'finished' if key in result.finished_orphans else 'rolled back'})")
+    print(f"offloaded {len(result.offloaded)} ledger(s): {result.savings()}")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +242,16 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.txn_cli import add_txn_parser
 
     add_txn_parser(sub, cmd_txn)
+    p = sub.add_parser("read", help="read a topic from a position, hot ledgers and offload tier together")
+    p.add_argument("topic")
+    p.add_argument("--from", dest="from_position", default="-1:-1", metavar="L:E",
+                   help="start position, inclusive (default: the beginning); a filtered-out position starts at the next entry")
+    p.add_argument("--max", type=int, default=None, metavar="N", help="at most N entries (default all)")
+    p.set_defaults(func=cmd_read)
+
+    p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier")
+    p.add_argument("ledgers", nargs="*", type=int, metavar="LEDGER_ID", help="only these ledgers (default: every eligible one)")
+    p.set_defaults(func=cmd_offload)
     return parser
 
 

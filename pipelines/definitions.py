@@ -13,6 +13,7 @@ from dagster import AssetSelection, Definitions, define_asset_job, in_process_ex
 
 from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
 from assets.ledger import ingest_ledger_entries, ledgers
+from assets.offload import OFFLOAD_CHECKS, OFFLOAD_SELECTION, offload_eligible_ledgers, offload_job, offload_tier
 from assets.snapshots import GROUP as SNAPSHOT_GROUP
 from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
 from assets.sql_models import sql_model_assets
@@ -24,17 +25,26 @@ from resources.warehouse import WarehouseResource
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
 ALL_ASSETS = [
-    ingest_ledger_entries, ledgers, transaction_buffer_tables, *sql_model_assets(), demo_workload, *SNAPSHOT_ASSETS,
+    ingest_ledger_entries,
+    ledgers,
+    transaction_buffer_tables,
+    *sql_model_assets(),
+    demo_workload,
+    *SNAPSHOT_ASSETS,
+    offload_tier,
 ]
-ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS]
+ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 
 # Everything derived from what the warehouse already holds; ingest adds data and is not in it.
 # The demo workload writes through the engine: it runs only when asked (`txnlake demo`, its job).
 # Snapshots have their own loop (take_snapshots: sensor + schedule), as a broker's timer does.
+# The offload tier is partitioned by ledger and runs per ledger (offload job, sensor); what reads it
+# (tier_sizes) follows an offload, not every `txnlake run`.
 DERIVED_SELECTION = (
     AssetSelection.all()
     - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
     - AssetSelection.groups(SNAPSHOT_GROUP)
+    - OFFLOAD_SELECTION.downstream()
 )
 
 derive_all_job = define_asset_job(
@@ -59,8 +69,8 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS],
-    sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS],
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job],
+    sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS, offload_eligible_ledgers],
     schedules=[*SNAPSHOT_SCHEDULES],
     resources=RESOURCES,
     executor=in_process_executor,

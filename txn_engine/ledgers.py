@@ -5,7 +5,15 @@ from __future__ import annotations
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
-from txn_engine.schema import LEDGER_STATES, LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, LEDGERS_SCHEMA
+from txn_engine.schema import (
+    DELETED_LEDGERS,
+    DELETED_LEDGERS_SCHEMA,
+    LEDGER_ENTRIES,
+    LEDGER_STATES,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
+    LEDGERS_SCHEMA,
+)
 from txn_engine.warehouse import Warehouse
 
 
@@ -14,24 +22,25 @@ def entry_size_bytes() -> F.Column:
     return F.coalesce(F.octet_length("payload"), F.lit(0)) + F.coalesce(F.octet_length("key"), F.lit(0))
 
 
-def derive_ledger_catalog(entries: DataFrame, known_states: DataFrame | None = None) -> DataFrame:
+def derive_ledger_catalog(
+    entries: DataFrame, known_states: DataFrame | None = None, deleted: DataFrame | None = None
+) -> DataFrame:
     """One row per (topic, ledger_id) with entry range, count, bytes and state. Pure.
 
     Without other information the last ledger of a topic is OPEN (still being written) and the
     others CLOSED. `known_states` (topic, ledger_id, state), when given, overrides that: later
-    stages record OFFLOADED and DELETED there.
+    stages record OFFLOADED and DELETED there. `deleted` (the `deleted_ledgers` columns) keeps
+    listing ledgers whose entries retention removed, with their last known range and counts.
     """
-    per_ledger = entries.groupBy("topic", "ledger_id").agg(
-        F.min("entry_id").alias("first_entry_id"),
-        F.max("entry_id").alias("last_entry_id"),
-        F.count("*").alias("entry_count"),
-        F.sum(entry_size_bytes()).cast("long").alias("size_bytes"),
-        F.min("publish_time").alias("first_publish_time"),
-        F.max("publish_time").alias("last_publish_time"),
-    )
+    per_ledger = _per_ledger(entries)
     newest_first = Window.partitionBy("topic").orderBy(F.col("ledger_id").desc())
     derived_state = F.when(F.row_number().over(newest_first) == 1, F.lit("OPEN")).otherwise(F.lit("CLOSED"))
     catalog = per_ledger.withColumn("state", derived_state)
+    if deleted is not None:
+        # A deleted ledger with no entries left is DELETED whatever the log says; one that still
+        # has entries (retention stopped half-way) is described by its entries.
+        gone = deleted.select(*per_ledger.columns).join(per_ledger.select("topic", "ledger_id"), ["topic", "ledger_id"], "left_anti")
+        catalog = catalog.unionByName(gone.withColumn("state", F.lit("DELETED")))
     if known_states is not None:
         known = known_states.select("topic", "ledger_id", F.col("state").alias("_known_state"))
         catalog = catalog.join(known, ["topic", "ledger_id"], "left").withColumn(
@@ -39,6 +48,17 @@ def derive_ledger_catalog(entries: DataFrame, known_states: DataFrame | None = N
         )
     return catalog.withColumn("updated_at", F.current_timestamp()).select(
         *[F.col(f.name).cast(f.dataType) for f in LEDGERS_SCHEMA.fields]
+    )
+
+
+def _per_ledger(entries: DataFrame) -> DataFrame:
+    return entries.groupBy("topic", "ledger_id").agg(
+        F.min("entry_id").alias("first_entry_id"),
+        F.max("entry_id").alias("last_entry_id"),
+        F.count("*").alias("entry_count"),
+        F.sum(entry_size_bytes()).cast("long").alias("size_bytes"),
+        F.min("publish_time").alias("first_publish_time"),
+        F.max("publish_time").alias("last_publish_time"),
     )
 
 
@@ -60,3 +80,13 @@ def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
     log = warehouse.read_or_empty(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA)
     latest = Window.partitionBy("topic", "ledger_id").orderBy(F.col("recorded_at").desc())
     return log.withColumn("_n", F.row_number().over(latest)).filter("_n = 1").select("topic", "ledger_id", "state")
+
+
+def deleted_ledgers(warehouse: Warehouse) -> DataFrame:
+    """The last known catalog rows of the ledgers retention deleted (empty when none was)."""
+    return warehouse.read_or_empty(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA)
+
+
+def current_ledger_catalog(warehouse: Warehouse) -> DataFrame:
+    """The catalog as of now: ledger_entries, the recorded states and the deleted ledgers."""
+    return derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES), recorded_ledger_states(warehouse), deleted_ledgers(warehouse))

@@ -295,3 +295,40 @@ BUFFER_SEQUENCE_RANGES_SCHEMA = StructType(
 
 BUFFER_DUPLICATES_SCHEMA = StructType([StructField(c, LongType() if c != "topic" else StringType(), False)
                                        for c in POSITION_COLUMNS])
+
+# -- the filtered offload tier (issue 6) ---------------------------------------------------------
+
+# Tables that live in the cold tier (WarehouseSettings.cold_table_path), not under the warehouse root.
+COLD_TABLES = (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
+# The last known catalog row of each ledger retention deleted (its entries are gone, its row stays).
+DELETED_LEDGERS = "deleted_ledgers"
+
+# The tier holds ledger_entries rows as they were, only fewer of them.
+OFFLOADED_ENTRIES_SCHEMA = LEDGER_ENTRIES_SCHEMA
+
+OFFLOAD_MANIFEST_SCHEMA = StructType(
+    [
+        StructField("topic", StringType(), False),
+        StructField("ledger_id", LongType(), False),
+        StructField("first_entry_id", LongType(), False),
+        StructField("last_entry_id", LongType(), False),
+        StructField("entries_before", LongType(), False),
+        StructField("entries_kept", LongType(), False),
+        StructField("dropped_markers", LongType(), False),
+        StructField("dropped_aborted", LongType(), False),
+        StructField("dropped_duplicates", LongType(), False),  # retried sends (same producer_id, sequence_id)
+        StructField("dropped_other", LongType(), False),  # late data after its transaction's COMMIT marker
+        StructField("bytes_before", LongType(), False),
+        StructField("bytes_after", LongType(), False),
+        StructField("max_read_ledger_id", LongType(), False),
+        StructField("max_read_entry_id", LongType(), False),
+        StructField("checksum", StringType(), False),
+        StructField("tier_location", StringType(), False),
+        StructField("offloaded_at", TimestampType(), False),
+    ]
+)
+
+DELETED_LEDGERS_SCHEMA = StructType(
+    [f for f in LEDGERS_SCHEMA.fields if f.name not in ("state", "updated_at")]
+    + [StructField("deleted_at", TimestampType(), False)]
+)

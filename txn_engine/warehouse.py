@@ -23,6 +23,7 @@ from pyspark.sql.types import StructType
 
 from txn_engine.errors import TableMissingError, TxnlakeError
 from txn_engine.locks import table_lock
+from txn_engine.schema import COLD_TABLES
 from txn_engine.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class Warehouse:
         self.settings = settings or WarehouseSettings()
 
     def path(self, table: str) -> str:
+        """Where `table` lives: the cold tier for the offload tables, the warehouse root otherwise."""
+        if table in COLD_TABLES:
+            return self.settings.cold_table_path(table)
         return self.settings.table_path(table)
 
     def exists(self, table: str, path: str | None = None) -> bool:
@@ -105,6 +109,13 @@ class Warehouse:
             else:
                 writer = writer.option("overwriteSchema", "true")
             retry_delta_conflicts(lambda: writer.save(location))
+
+    def delete(self, table: str, predicate: str, path: str | None = None) -> None:
+        """Delete the rows matching `predicate` (Spark SQL) in one Delta commit; no-op on a missing table."""
+        location = path or self.path(table)
+        with self.writer(table):
+            if self.exists(table, location):
+                retry_delta_conflicts(lambda: DeltaTable.forPath(self.spark, location).delete(predicate))
 
 
 def retry_delta_conflicts(action: Callable[[], T], attempts: int = 5) -> T:

@@ -1,0 +1,182 @@
+"""The filtered offload tier in Dagster: a per-ledger partitioned asset, its sensor, its checks.
+
+`offloaded_entries` and `offload_manifest` are one multi-asset partitioned by ledger
+(`LEDGER_PARTITIONS`). A run over one ledger or a backfill over a ledger range (one run, its
+`context.partition_keys`) offloads the eligible ones among them; a ledger that is not eligible
+yet (OPEN, or beyond its topic's stable position) is reported under `waiting` and left alone.
+Re-running a partition is harmless: an offloaded ledger is not copied again.
+"""
+
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetExecutionContext,
+    AssetSelection,
+    AssetSpec,
+    BackfillPolicy,
+    DefaultSensorStatus,
+    MaterializeResult,
+    MetadataValue,
+    RunRequest,
+    SensorEvaluationContext,
+    SensorResult,
+    SkipReason,
+    asset_check,
+    define_asset_job,
+    multi_asset,
+    sensor,
+)
+from pyspark.sql import functions as F
+
+from assets.metadata import table_metadata
+from pipelines.partitions import LEDGER_PARTITIONS
+from resources.spark import SparkResource
+from resources.warehouse import WarehouseResource
+from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, position_lt
+from txn_engine.offload import content_checksum, offload_candidates, offload_ledgers
+from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    ABORTED_TXNS_SCHEMA,
+    LEDGER_ENTRIES,
+    OFFLOAD_MANIFEST,
+    OFFLOAD_MANIFEST_SCHEMA,
+    OFFLOADED_ENTRIES,
+    OFFLOADED_ENTRIES_SCHEMA,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
+    TXN_MARKERS_SCHEMA,
+)
+
+GROUP = "offload"
+
+
+@multi_asset(
+    specs=[
+        AssetSpec(OFFLOADED_ENTRIES, group_name=GROUP, deps=[LEDGER_ENTRIES],
+                  description="The filtered offload tier (cold tier location): only DATA entries that are "
+                  "non-transactional or committed, of offloaded ledgers, at their original positions."),
+        AssetSpec(OFFLOAD_MANIFEST, group_name=GROUP, deps=[LEDGER_ENTRIES],
+                  description="One row per offloaded ledger: entries kept and dropped by reason, bytes before and "
+                  "after, the stable position at offload time, a content checksum, the tier location."),
+    ],
+    partitions_def=LEDGER_PARTITIONS,
+    backfill_policy=BackfillPolicy.single_run(),
+)
+def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
+    wh = warehouse.open(spark.session())
+    ledger_ids = [ledger_id_of_partition(k) for k in context.partition_keys]
+    result = offload_ledgers(wh, ledger_ids)
+    savings = result.savings()
+    waiting = {f"{t}/{l}": reason for (t, l), reason in sorted(result.waiting.items())}
+    if waiting:
+        context.log.warning(f"not eligible yet, left in the hot tier: {waiting}")
+    context.log.info(f"offloaded {result.offloaded}: {savings}")
+    extra = {
+        "ledgers_requested": len(ledger_ids),
+        "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
+        "ledgers_already_offloaded": len(result.already_offloaded),
+        "ledgers_waiting": MetadataValue.json(waiting),
+        "recovered": MetadataValue.json({
+            "finished": [f"{t}/{l}" for t, l in result.finished_orphans],
+            "rolled_back": [f"{t}/{l}" for t, l in result.rolled_back_orphans],
+            "states_recorded": [f"{t}/{l}" for t, l in result.states_recorded],
+        }),
+        **savings,
+    }
+    for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST):
+        rows = wh.read(table).count() if wh.exists(table) else 0
+        yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, rows, **extra))
+
+
+OFFLOAD_SELECTION = AssetSelection.assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
+
+offload_job = define_asset_job(
+    "offload",
+    selection=OFFLOAD_SELECTION,
+    description="Offload ledgers (partitions) to the filtered tier; a range backfill is one run.",
+)
+
+
+@sensor(job=offload_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED,
+        description="Offloads ledgers that became eligible: CLOSED and at or below their topic's stable position.")
+def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
+    wh = warehouse.open(spark.session())
+    if not wh.exists(STABLE_POSITIONS):
+        return SkipReason(f"no {STABLE_POSITIONS} yet: materialize the transaction buffer first")
+    keys = [ledger_partition_key(ledger_id) for _, ledger_id in offload_candidates(wh)]
+    if not keys:
+        return SkipReason("no ledger is newly eligible for offload")
+    known = set(context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
+    new = sorted(set(keys) - known)
+    return SensorResult(
+        # run_key: Dagster starts each ledger's offload once, however often the sensor sees it.
+        run_requests=[RunRequest(partition_key=k, run_key=f"offload-{k}") for k in sorted(set(keys))],
+        dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [],
+    )
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+def _tier_and_manifest(wh):
+    return (wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA),
+            wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA))
+
+
+@asset_check(asset=OFFLOADED_ENTRIES,
+             description="The tier holds no marker and no entry of an aborted or ongoing transaction.")
+def tier_holds_only_committed_data(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
+    wh = warehouse.open(spark.session())
+    tier, _ = _tier_and_manifest(wh)
+    markers = tier.where(F.col("entry_type") != "DATA").count()
+    txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
+    aborted = txn_rows.join(wh.read_or_empty(ABORTED_TXNS, ABORTED_TXNS_SCHEMA).select(*TXN_KEY), list(TXN_KEY), "left_semi").count()
+    # Ongoing: data in the hot log and no marker. (A transaction whose ledgers retention deleted
+    # has no hot data left, so it cannot look ongoing here.)
+    decided = wh.read_or_empty(TXN_MARKERS, TXN_MARKERS_SCHEMA).select(*TXN_KEY)
+    ongoing_txns = wh.read(LEDGER_ENTRIES).where(has_txn()).select(*TXN_KEY).distinct().join(decided, list(TXN_KEY), "left_anti")
+    ongoing = txn_rows.join(ongoing_txns, list(TXN_KEY), "left_semi").count()
+    return AssetCheckResult(
+        passed=not (markers or aborted or ongoing),
+        metadata={"markers": markers, "entries_of_aborted_txns": aborted, "entries_of_ongoing_txns": ongoing},
+    )
+
+
+@asset_check(asset=OFFLOADED_ENTRIES,
+             description="Nothing in the tier lies beyond its topic's stable position at offload time.")
+def tier_within_stable_position_at_offload(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
+    wh = warehouse.open(spark.session())
+    tier, manifest = _tier_and_manifest(wh)
+    at = manifest.select("topic", "ledger_id", "max_read_ledger_id", "max_read_entry_id")
+    joined = tier.join(at, ["topic", "ledger_id"], "left")
+    beyond = joined.where(position_lt(F.col("max_read_ledger_id"), F.col("max_read_entry_id"), F.col("ledger_id"), F.col("entry_id"))).count()
+    # Rows without a manifest row are an interrupted offload; readers ignore them, the next run repairs them.
+    orphans = joined.where(F.col("max_read_ledger_id").isNull()).count()
+    return AssetCheckResult(
+        passed=beyond == 0 and orphans == 0,
+        severity=AssetCheckSeverity.ERROR if beyond else AssetCheckSeverity.WARN,
+        metadata={"entries_beyond_stable_position": beyond, "entries_without_manifest_row": orphans},
+    )
+
+
+@asset_check(asset=OFFLOAD_MANIFEST,
+             description="Per offloaded ledger the tier holds exactly the entries the manifest counts, with its checksum.")
+def tier_matches_manifest(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
+    wh = warehouse.open(spark.session())
+    tier, manifest = _tier_and_manifest(wh)
+    actual = tier.groupBy("topic", "ledger_id").agg(F.count("*").alias("_n"), content_checksum().alias("_sum"))
+    wrong = (
+        manifest.join(actual, ["topic", "ledger_id"], "left")
+        .where((F.coalesce("_n", F.lit(0)) != F.col("entries_kept")) | (F.coalesce("_sum", F.lit("0")) != F.col("checksum")))
+        .select("topic", "ledger_id")
+        .collect()
+    )
+    return AssetCheckResult(
+        passed=not wrong,
+        metadata={"ledgers_checked": manifest.count(),
+                  "ledgers_not_matching": MetadataValue.json([f"{r.topic}/{r.ledger_id}" for r in wrong[:20]])},
+    )
+
+
+OFFLOAD_CHECKS = [tier_holds_only_committed_data, tier_within_stable_position_at_offload, tier_matches_manifest]

@@ -1,0 +1,76 @@
+"""Benchmark: offload N generated entries (default 10 million) to the filtered tier.
+
+Measured side by side in one run, on the same `ledger_entries` Delta table and the same ledgers
+(every eligible one, decided before timing):
+- plain copy: Spark copies those ledgers whole to another Delta table (what today's offloaders do);
+- offload: `offload_ledgers` (classify, filtered copy, manifest, states).
+Target: the offload takes at most 1.5x the plain copy. Prints seconds, the ratio, entries and
+bytes saved by filtering, and peak memory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
+
+
+def run(entries: int, workdir: Path, seed: int = 11) -> dict:
+    from resources.spark import get_spark
+    from txn_engine.buffer_jobs import classify_entries, stable_from_facts
+    from txn_engine.generate import generate_ledger_file
+    from txn_engine.ingest import ingest_files
+    from txn_engine.ledgers import current_ledger_catalog
+    from txn_engine.offload import ledger_eligibility, ledger_predicate, offload_ledgers
+    from txn_engine.schema import LEDGER_ENTRIES
+    from txn_engine.settings import WarehouseSettings
+    from txn_engine.warehouse import Warehouse
+
+    print(f"== offload benchmark: {entries:,} entries, workdir {workdir}")
+    raw = workdir / "raw.parquet"
+    with timed(f"generate {entries:,} entries (parquet)"):
+        generate_ledger_file(raw, entries=entries, seed=seed)
+    spark = get_spark()
+    wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh"), cold_tier=str(workdir / "cold")))
+    with timed("ingest (validate + append to ledger_entries)"):
+        ingest_files(wh, [str(raw)])
+    with timed("plan: the eligible ledgers (not part of either figure)"):
+        entries_df = wh.read(LEDGER_ENTRIES)
+        catalog = ledger_eligibility(current_ledger_catalog(wh), stable_from_facts(classify_entries(entries_df)))
+        eligible = [(r.topic, r.ledger_id) for r in catalog.where("eligible").select("topic", "ledger_id").collect()]
+    ledgers_total = catalog.count()
+    print(f"  {len(eligible)} of {ledgers_total} ledgers eligible")
+
+    with timed("plain copy of the eligible ledgers (Spark, whole)") as t_copy:
+        wh.overwrite("plain_copy", wh.read(LEDGER_ENTRIES).where(ledger_predicate(eligible)))
+    with timed("offload: filtered copy + manifest + states") as t_offload:
+        result = offload_ledgers(wh)
+    jvm_peak = jvm_peak_rss_mib(spark)
+    if sorted(result.offloaded) != sorted(eligible):
+        print(f"  !! offloaded {len(result.offloaded)} ledgers, expected {len(eligible)}")
+    savings = result.savings()
+    out = {
+        "entries": entries,
+        "ledgers_offloaded": len(result.offloaded),
+        "plain_copy_s": t_copy.seconds,
+        "offload_s": t_offload.seconds,
+        "offload_vs_copy": t_offload.seconds / t_copy.seconds,
+        "entries_before": savings["entries_before"],
+        "entries_kept": savings["entries_kept"],
+        "entries_dropped": savings["entries_dropped"],
+        "bytes_before": savings["bytes_before"],
+        "bytes_after": savings["bytes_after"],
+        "bytes_saved": savings["bytes_saved"],
+        "bytes_saved_pct": 100.0 * savings["bytes_saved"] / max(savings["bytes_before"], 1),
+        "jvm_peak_rss_mib": jvm_peak,
+        "python_peak_rss_mib": python_peak_rss_mib(),
+    }
+    print("-- results (target: offload_vs_copy <= 1.5)")
+    for key, value in out.items():
+        print(f"  {key:<22} {value:,.2f}" if isinstance(value, float) else f"  {key:<22} {value}")
+    return out
+
+
+def run_benchmark(workdir: Path) -> dict:
+    return run(int(os.environ.get("BENCH_ENTRIES", "10000000")), workdir)

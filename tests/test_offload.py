@@ -1,0 +1,128 @@
+"""The filtered offload: eligibility, the filtered copy, the manifest, idempotence, crash recovery."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.offload_history import COMMIT_D, HISTORY
+from tests.rows import write_jsonl
+from txn_engine.ingest import ingest_files
+from txn_engine.ledgers import current_ledger_catalog
+from txn_engine.offload import AFTER_ENTRIES, AFTER_MANIFEST, offload_ledgers
+from txn_engine.schema import LEDGER_ENTRIES, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(step):
+    def hook(at):
+        if at == step:
+            raise Crash(at)
+    return hook
+
+
+def ingest(warehouse, tmp_path, rows, name="h.jsonl"):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / name, rows))])
+
+
+def tier_positions(warehouse):
+    return sorted((r.topic, r.ledger_id, r.entry_id) for r in warehouse.read(OFFLOADED_ENTRIES).collect())
+
+
+def manifest_rows(warehouse):
+    return {(r.topic, r.ledger_id): r.asDict() for r in warehouse.read(OFFLOAD_MANIFEST).collect()}
+
+
+def states(warehouse):
+    return {(r.topic, r.ledger_id): r.state for r in current_ledger_catalog(warehouse).collect()}
+
+
+EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
+
+
+def test_eligibility_filtered_copy_and_manifest(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    result = offload_ledgers(warehouse)
+    # Ledger 5 ends exactly at its topic's stable position (5:1); ledgers 2 and 3 wait for D.
+    assert sorted(result.offloaded) == [("t", 1), ("u", 5)]
+    assert set(result.waiting) == {("t", 2), ("t", 3), ("t", 4), ("u", 6), ("u", 7), ("v", 8)}
+    assert "beyond the stable position" in result.waiting[("t", 2)]
+    assert result.waiting[("v", 8)] == "ledger is OPEN"
+    assert tier_positions(warehouse) == EXPECTED_TIER
+    payloads = {(r.ledger_id, r.entry_id): bytes(r.payload) for r in warehouse.read(OFFLOADED_ENTRIES).collect()}
+    assert payloads[(5, 1)] == b"e-data"  # committed by a marker in a later (hot) ledger
+    assert warehouse.path(OFFLOADED_ENTRIES).startswith(str(warehouse.settings.cold_table_path("")).rstrip("/"))
+
+    manifest = manifest_rows(warehouse)
+    t1 = manifest[("t", 1)]
+    assert (t1["entries_before"], t1["entries_kept"], t1["dropped_markers"], t1["dropped_aborted"],
+            t1["dropped_duplicates"], t1["dropped_other"]) == (5, 2, 2, 1, 0, 0)
+    assert (t1["bytes_before"], t1["bytes_after"]) == (len(b"t-1-0a-datab-aborted"), len(b"t-1-0a-data"))
+    assert (t1["max_read_ledger_id"], t1["max_read_entry_id"]) == (2, 3)
+    assert (manifest[("u", 5)]["max_read_ledger_id"], manifest[("u", 5)]["max_read_entry_id"]) == (5, 1)
+    assert t1["tier_location"] == warehouse.path(OFFLOADED_ENTRIES)
+    assert t1["checksum"] != manifest[("u", 5)]["checksum"]
+    got = states(warehouse)
+    assert got[("t", 1)] == got[("u", 5)] == "OFFLOADED"
+    assert got[("t", 2)] == "CLOSED" and got[("t", 4)] == "OPEN" and got[("v", 8)] == "OPEN"
+    # The hot log is untouched by an offload.
+    assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
+
+
+def test_ledgers_become_eligible_when_the_ongoing_transaction_commits(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    offload_ledgers(warehouse)
+    ingest(warehouse, tmp_path, COMMIT_D, "more.jsonl")
+    result = offload_ledgers(warehouse)
+    assert sorted(result.offloaded) == [("t", 2), ("t", 3)]
+    t2 = manifest_rows(warehouse)[("t", 2)]
+    assert (t2["entries_kept"], t2["dropped_markers"], t2["dropped_duplicates"]) == (3, 1, 1)
+    assert ("t", 2, 3) not in tier_positions(warehouse)  # the retried duplicate stays behind
+
+
+def test_offload_twice_leaves_the_same_rows(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    first = offload_ledgers(warehouse)
+    manifest = manifest_rows(warehouse)
+    again = offload_ledgers(warehouse, ledger_ids=[1, 5])
+    assert again.offloaded == [] and sorted(again.already_offloaded) == [("t", 1), ("u", 5)]
+    assert tier_positions(warehouse) == EXPECTED_TIER
+    assert manifest_rows(warehouse) == manifest
+    assert len(first.manifest) == 2
+
+
+def test_only_the_requested_ledgers_are_offloaded(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    result = offload_ledgers(warehouse, ledger_ids=[5, 7])
+    assert result.offloaded == [("u", 5)] and set(result.waiting) == {("u", 7)}
+    assert tier_positions(warehouse) == [("u", 5, 0), ("u", 5, 1)]
+
+
+def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    with pytest.raises(Crash):
+        offload_ledgers(warehouse, crash_hook=crash_at(AFTER_ENTRIES))
+    assert tier_positions(warehouse) == EXPECTED_TIER  # the entries are there ...
+    assert not warehouse.exists(OFFLOAD_MANIFEST)  # ... without their manifest rows
+    assert states(warehouse)[("t", 1)] == "CLOSED"
+    # Ledger 5 is gone from the hot log meanwhile, so its orphan rows can only be rolled back.
+    warehouse.delete(LEDGER_ENTRIES, "ledger_id = 5")
+    result = offload_ledgers(warehouse, ledger_ids=[])
+    assert result.finished_orphans == [("t", 1)] and result.rolled_back_orphans == [("u", 5)]
+    assert tier_positions(warehouse) == [("t", 1, 0), ("t", 1, 1)]
+    assert set(manifest_rows(warehouse)) == {("t", 1)}
+    assert states(warehouse)[("t", 1)] == "OFFLOADED"
+
+
+def test_crash_between_manifest_and_state_is_finished(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY)
+    with pytest.raises(Crash):
+        offload_ledgers(warehouse, crash_hook=crash_at(AFTER_MANIFEST))
+    assert set(manifest_rows(warehouse)) == {("t", 1), ("u", 5)}
+    assert states(warehouse)[("t", 1)] == "CLOSED"
+    result = offload_ledgers(warehouse)
+    assert sorted(result.states_recorded) == [("t", 1), ("u", 5)] and result.offloaded == []
+    assert states(warehouse)[("t", 1)] == states(warehouse)[("u", 5)] == "OFFLOADED"
+    assert tier_positions(warehouse) == EXPECTED_TIER

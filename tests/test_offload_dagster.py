@@ -1,0 +1,107 @@
+"""The offload tier in Dagster: ledger partitions, the sensor, a range backfill, checks, metadata, tier_sizes."""
+
+from __future__ import annotations
+
+from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, SkipReason, build_sensor_context, materialize
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
+
+from assets.offload import OFFLOAD_CHECKS, offload_eligible_ledgers, offload_tier
+from pipelines.definitions import ALL_ASSETS
+from pipelines.partitions import LEDGER_PARTITIONS
+from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
+from tests.rows import entry, write_jsonl
+from txn_engine.ingest import ingest_files
+from txn_engine.positions import ledger_partition_key as key
+from txn_engine.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+
+TIER_SIZES = [a for a in ALL_ASSETS if AssetKey("tier_sizes") in a.keys]
+
+
+def offload_run(resources, instance, **kwargs):
+    return materialize([offload_tier, *OFFLOAD_CHECKS], resources=resources, instance=instance, **kwargs)
+
+
+def metadata(result, table):
+    # A range run reports one materialization per partition, all with the run's metadata.
+    mat = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
+           if e.event_specific_data.materialization.asset_key == AssetKey(table)][0]
+    return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+
+
+def checks(result):
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}
+
+
+def tier(warehouse):
+    return sorted((r.topic, r.ledger_id, r.entry_id) for r in warehouse.read(OFFLOADED_ENTRIES).collect())
+
+
+def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_path):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY + COMMIT_D))])
+    derive_buffer_tables(warehouse)
+    instance = DagsterInstance.ephemeral()
+
+    # The sensor asks for the newly eligible ledgers, adding their partitions.
+    result = offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources))
+    assert isinstance(result, SensorResult)
+    wanted = [key(1), key(2), key(3), key(5)]
+    assert [r.partition_key for r in result.run_requests] == wanted
+    assert [r.run_key for r in result.run_requests] == [f"offload-{k}" for k in wanted]
+    assert list(result.dynamic_partitions_requests[0].partition_keys) == wanted
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [key(i) for i in range(1, 8)])  # in ledger order
+
+    # A backfill over the ledger range 1..4 is one run; the OPEN ledger 4 waits.
+    tags = {ASSET_PARTITION_RANGE_START_TAG: key(1), ASSET_PARTITION_RANGE_END_TAG: key(4)}
+    run = offload_run(dagster_resources, instance, tags=tags)
+    assert run.success
+    partitions = {e.partition for e in run.get_asset_materialization_events() if e.asset_key == AssetKey(OFFLOADED_ENTRIES)}
+    assert partitions == {key(1), key(2), key(3), key(4)}
+    meta = metadata(run, OFFLOADED_ENTRIES)
+    assert meta["ledgers_requested"] == 4 and meta["ledgers_offloaded"] == ["t/1", "t/2", "t/3"]
+    assert meta["ledgers_waiting"] == {"t/4": "ledger is OPEN"}
+    # Savings: t/1 drops 2 markers + 1 aborted, t/2 a marker + a duplicate; 8 of 12 bytes... kept as counted.
+    assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
+    assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
+    assert meta["bytes_saved"] == meta["bytes_before"] - meta["bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
+    assert all(c.passed for c in checks(run).values()), {k: c.metadata for k, c in checks(run).items()}
+    assert set(checks(run)) == {"tier_holds_only_committed_data", "tier_within_stable_position_at_offload",
+                                "tier_matches_manifest"}
+
+    single = offload_run(dagster_resources, instance, partition_key=key(5))
+    assert metadata(single, OFFLOAD_MANIFEST)["ledgers_offloaded"] == ["u/5"]
+    before = tier(warehouse)
+    again = offload_run(dagster_resources, instance, tags=tags)  # the backfill once more: same rows
+    assert metadata(again, OFFLOADED_ENTRIES)["ledgers_already_offloaded"] == 3 and tier(warehouse) == before
+    assert warehouse.read(OFFLOAD_MANIFEST).count() == 4
+    assert isinstance(offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources)), SkipReason)
+
+    # The SQL model: hot and cold per topic, and what filtering saved.
+    sized = materialize([*TIER_SIZES], resources=dagster_resources, instance=instance)
+    assert sized.success
+    rows = {r.topic: r.asDict() for r in warehouse.read("tier_sizes").collect()}
+    assert (rows["t"]["hot_entries"], rows["t"]["cold_entries"], rows["t"]["offloaded_ledgers"]) == (14, 7, 3)
+    assert rows["t"]["bytes_saved_by_filtering"] == meta["bytes_saved"]
+    assert (rows["v"]["cold_entries"], rows["v"]["hot_entries"]) == (0, 1)
+
+
+def test_checks_catch_a_tier_with_markers_aborted_data_and_rows_beyond_the_stable_position(
+        warehouse, dagster_resources, tmp_path, spark):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
+    derive_buffer_tables(warehouse)
+    instance = DagsterInstance.ephemeral()
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [key(1), key(5)])
+    assert offload_run(dagster_resources, instance, partition_key=key(1)).success
+    # Someone copies ledger t/1 unfiltered into the tier, and part of t/2 (beyond the stable position 2:3).
+    raw = warehouse.read("ledger_entries").where("topic = 't' AND ledger_id = 1 AND entry_id >= 2 OR ledger_id = 2 AND entry_id = 4")
+    warehouse.append(OFFLOADED_ENTRIES, raw.select(*[f.name for f in LEDGER_ENTRIES_SCHEMA.fields]))
+    # Only the checks run: an offload run would first roll back the rows without a manifest row.
+    run = offload_run(dagster_resources, instance, selection=AssetSelection.checks_for_assets(offload_tier),
+                      raise_on_error=False)
+    got = checks(run)
+    only = got["tier_holds_only_committed_data"]
+    assert not only.passed and only.metadata["markers"].value == 2 and only.metadata["entries_of_aborted_txns"].value == 1
+    assert only.metadata["entries_of_ongoing_txns"].value == 1  # D's first entry, 2:4
+    assert not got["tier_within_stable_position_at_offload"].passed
+    assert got["tier_within_stable_position_at_offload"].metadata["entries_without_manifest_row"].value == 1
+    assert not got["tier_matches_manifest"].passed
+    assert got["tier_matches_manifest"].metadata["ledgers_not_matching"].value == ["t/1"]

@@ -1,0 +1,139 @@
+"""Retention: policies, deletion from the hot tables, the abort-set trim, crash recovery."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from tests.offload_history import COMMIT_D, HISTORY, G, derive_buffer_tables, oracle_read
+from tests.rows import entry, write_jsonl
+from txn_engine.buffer_jobs import compute_buffer_tables
+from txn_engine.ingest import ingest_files
+from txn_engine.ledgers import current_ledger_catalog
+from txn_engine.offload import offload_ledgers
+from txn_engine.reader import TopicReader
+from txn_engine.retention import AFTER_STATE, RetentionPolicy, RetentionPolicyError, apply_retention, ledgers_to_delete
+from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, TXN_MARKERS
+from txn_engine.transaction_buffer import LogEntry, TxnId, replay
+
+# Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
+EXTRA = [entry("t", 4, 2, txn=G, payload=b"g-data"), entry("t", 4, 3, "ABORT", txn=G),
+         entry("t", 4, 4, producer=1, seq=0, payload=b"t-2-1")]
+FULL = HISTORY + COMMIT_D + EXTRA
+
+
+def ledger_keys(frame, column="ledger_id"):
+    return sorted({(r.topic, r[column]) for r in frame.collect()})
+
+
+def aborts(frame):
+    return sorted((r.topic, r.txn_most_bits, r.txn_least_bits, r.abort_ledger_id, r.abort_entry_id) for r in frame.collect())
+
+
+def read_positions(warehouse, topic):
+    return [(e.ledger_id, e.entry_id) for e in TopicReader(warehouse).read(topic).entries]
+
+
+@pytest.fixture
+def offloaded(warehouse, tmp_path):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", FULL))])
+    derive_buffer_tables(warehouse)
+    assert sorted(offload_ledgers(warehouse).offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    return warehouse
+
+
+def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloaded):
+    wh = offloaded
+    assert aborts(wh.read(ABORTED_TXNS)) == [("t", 1, 2, 1, 4), ("t", *G, 4, 3)]
+    before = {t: read_positions(wh, t) for t in ("t", "u")}
+    assert before["t"] == oracle_read(FULL, "t")
+
+    result = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
+    # u/6 is not offloaded, so u keeps it and everything after it.
+    assert result.deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5)] and result.finished == []
+    assert ledger_keys(wh.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 6), ("u", 7), ("v", 8)]
+    assert ledger_keys(wh.read(COMMITTED_ENTRIES)) == [("t", 4), ("u", 7), ("v", 8)]
+    assert all(l not in (1, 2, 3, 5) for _, l in ledger_keys(wh.read(TXN_MARKERS)))
+    trimmed = aborts(wh.read(ABORTED_TXNS))
+    assert trimmed == [("t", *G, 4, 3)]  # B's marker was in the deleted ledger 1
+
+    # The catalog still lists the deleted ledgers, with their last known range and counts.
+    catalog = {(r.topic, r.ledger_id): r for r in current_ledger_catalog(wh).collect()}
+    assert (catalog[("t", 1)].state, catalog[("t", 1)].first_entry_id, catalog[("t", 1)].last_entry_id,
+            catalog[("t", 1)].entry_count) == ("DELETED", 0, 4, 5)
+    assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
+
+    # A full recompute over what is left gives the same trimmed abort set, as does the oracle.
+    remaining = compute_buffer_tables(wh.read(LEDGER_ENTRIES))
+    assert aborts(remaining.aborted_txns) == trimmed
+    remaining.unpersist()
+    oracle = replay(LogEntry.from_row({**r, "payload": None, "publish_time": None}) for r in FULL)["t"]
+    oracle.trim_ledgers([1, 2, 3])
+    assert [("t", *txn, *pos) for txn, pos in oracle.aborts.items()] == trimmed
+
+    # Readers see the same log: deleted ledgers from the tier, the rest hot, also after the recompute
+    # (where the retried send t/4:4 of the deleted t/2:1 is no longer a duplicate in the hot view).
+    assert {t: read_positions(wh, t) for t in ("t", "u")} == before
+    derive_buffer_tables(wh)
+    assert (4, 4) in [(r.ledger_id, r.entry_id) for r in wh.read(COMMITTED_ENTRIES).where("topic = 't'").collect()]
+    assert {t: read_positions(wh, t) for t in ("t", "u")} == before
+
+    # Applying the policy again deletes nothing more.
+    again = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
+    assert again.deleted == [] and again.finished == []
+
+
+def test_by_default_only_offloaded_ledgers_are_deleted(warehouse, tmp_path):
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
+    assert apply_retention(warehouse, RetentionPolicy(keep_ledgers=0)).deleted == []
+    result = apply_retention(warehouse, RetentionPolicy(keep_ledgers=0, require_offloaded=False))
+    # Never an OPEN ledger: t/4, u/7 and v/8 stay.
+    assert result.deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5), ("u", 6)]
+    assert ledger_keys(warehouse.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 7), ("v", 8)]
+
+
+def test_crash_after_recording_deleted_is_finished_by_the_next_run(offloaded):
+    wh = offloaded
+
+    def crash(step):
+        if step == AFTER_STATE:
+            raise RuntimeError("crash")
+
+    with pytest.raises(RuntimeError):
+        apply_retention(wh, RetentionPolicy(keep_ledgers=3), crash_hook=crash)
+    assert ("t", 1) in ledger_keys(wh.read(LEDGER_ENTRIES))  # recorded DELETED, entries still there
+    result = apply_retention(wh, RetentionPolicy(max_bytes=10**9))  # a policy that chooses nothing new
+    assert result.deleted == [] and result.finished == [("t", 1)]
+    assert ("t", 1) not in ledger_keys(wh.read(LEDGER_ENTRIES))
+    assert aborts(wh.read(ABORTED_TXNS)) == [("t", *G, 4, 3)]
+
+
+NOW = datetime(2026, 6, 1, tzinfo=timezone.utc)
+
+
+def ledger(topic, ledger_id, state="CLOSED", size=10, age_days=0):
+    return {"topic": topic, "ledger_id": ledger_id, "state": state, "size_bytes": size,
+            "last_publish_time": NOW - timedelta(days=age_days)}
+
+
+@pytest.mark.parametrize("policy,expected", [
+    (RetentionPolicy(keep_ledgers=2), [("a", 1), ("a", 2)]),
+    (RetentionPolicy(max_age=timedelta(days=5)), [("a", 1)]),
+    (RetentionPolicy(max_bytes=25), [("a", 1), ("a", 2)]),  # 40 bytes hot: drop 10 + 10 to reach 20
+    (RetentionPolicy(keep_ledgers=0), [("a", 1), ("a", 2)]),  # a/3 not offloaded: stops there
+    (RetentionPolicy(keep_ledgers=0, require_offloaded=False), [("a", 1), ("a", 2), ("a", 3)]),  # never a/4 (OPEN)
+])
+def test_policies_choose_a_prefix_of_each_topic(policy, expected):
+    catalog = [ledger("a", 1, "OFFLOADED", age_days=9), ledger("a", 2, "OFFLOADED", age_days=3),
+               ledger("a", 3, age_days=2), ledger("a", 4, "OPEN"), ledger("b", 9, "DELETED"), ledger("b", 10, "OPEN")]
+    assert ledgers_to_delete(catalog, policy, NOW, {("a", 1), ("a", 2)}) == expected
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({}, "needs a limit"), ({"keep_ledgers": -1}, "keep_ledgers must not be negative"),
+    ({"max_age": timedelta(days=-1)}, "max_age must not be negative"),
+])
+def test_bad_policies_are_clear_errors(kwargs, message):
+    with pytest.raises(RetentionPolicyError, match=message):
+        RetentionPolicy(**kwargs)

@@ -1,0 +1,287 @@
+"""The filtered offload tier: `offloaded_entries` and `offload_manifest` (the offload seed).
+
+A CLOSED ledger whose last entry is at or below its topic's stable position holds only decided
+entries, so it can move to the cold tier. Only what a read-committed reader may ever see goes
+there: DATA entries that are non-transactional or committed (before their COMMIT marker, each
+(producer_id, sequence_id) once), at their original positions. Markers, aborted data, retried
+duplicates and late data stay behind, counted by reason in the manifest.
+
+Everything is decided from `ledger_entries` itself with the buffer's own rules
+(`buffer_jobs.classify_entries`), never from the derived tables, which may be from an older
+computation or half rewritten: eligibility and the filter come from one consistent view.
+
+Per ledger the write is three steps, and the manifest row is the commit point:
+1. the kept rows replace the ledger's rows in `offloaded_entries` (Delta replaceWhere: one commit);
+2. the ledger's manifest row replaces any earlier one in `offload_manifest`;
+3. `ledger_states` records OFFLOADED.
+A crash after 1 leaves tier rows without a manifest row ("orphans"): every offload run first
+finishes them when the ledger is still eligible (steps 1-3 again: same rows) and otherwise
+rolls them back (deletes them). A crash after 2 leaves a manifest row whose ledger is not yet
+recorded OFFLOADED: the next run records it. Readers trust the manifest only, so they never
+see a half-written ledger. A ledger that already has its manifest row is not copied again, so
+re-runs and backfills leave the same rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Iterable
+
+from pyspark.sql import Column, DataFrame, Row
+from pyspark.sql import functions as F
+
+from txn_engine.buffer_jobs import TXN_KEY, classify_entries, has_txn, is_data, position_le, position_lt, stable_from_facts
+from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
+from txn_engine.positions import Position
+from txn_engine.schema import (
+    LEDGER_ENTRIES,
+    LEDGER_ENTRY_COLUMNS,
+    OFFLOAD_MANIFEST,
+    OFFLOAD_MANIFEST_SCHEMA,
+    OFFLOADED_ENTRIES,
+    OFFLOADED_ENTRIES_SCHEMA,
+    POSITION_COLUMNS,
+    STABLE_POSITIONS,
+)
+from txn_engine.warehouse import Warehouse
+
+# Why an entry stays behind (or KEPT). The manifest has one count column per reason.
+KEPT, MARKER, ABORTED, DUPLICATE, OTHER = "KEPT", "MARKER", "ABORTED", "DUPLICATE", "OTHER"
+DROP_COLUMNS = {MARKER: "dropped_markers", ABORTED: "dropped_aborted", DUPLICATE: "dropped_duplicates", OTHER: "dropped_other"}
+
+# Crash-injection points of `offload_ledgers`, in order (tests pass a hook that raises).
+AFTER_ENTRIES, AFTER_MANIFEST = "after_entries", "after_manifest"
+
+LedgerKey = tuple[str, int]  # (topic, ledger_id)
+
+
+# -- pure DataFrame logic -----------------------------------------------------------------------
+
+def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
+    """Per catalog ledger: `eligible` and, when not, `waiting_reason`. Pure.
+
+    Eligible: CLOSED, and its last entry at or below its topic's stable position
+    (`max_read_ledger_id`, `max_read_entry_id`). OPEN is never eligible; OFFLOADED and DELETED
+    ledgers are done.
+    """
+    at = stable.select("topic", "max_read_ledger_id", "max_read_entry_id")
+    below = position_le(F.col("ledger_id"), F.col("last_entry_id"), F.col("max_read_ledger_id"), F.col("max_read_entry_id"))
+    reason = (
+        F.when(F.col("state") != "CLOSED", F.concat(F.lit("ledger is "), F.col("state")))
+        .when(F.col("max_read_ledger_id").isNull(), F.lit("topic has no stable position yet"))
+        .when(~below, F.lit("last entry is beyond the stable position (a transaction is still ongoing)"))
+    )
+    return (
+        catalog.join(at, "topic", "left")
+        .withColumn("waiting_reason", reason)
+        .withColumn("eligible", F.col("waiting_reason").isNull())
+    )
+
+
+def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFrame) -> DataFrame:
+    """`entries` with a `disposition` column: KEPT or the reason it is dropped. Pure.
+
+    `txns` and `duplicates` are the buffer's facts (`BufferFacts.txns`, `.duplicates`) of the
+    whole topic history, so the rules are exactly those of `committed_entries`.
+    """
+    decided = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
+    flagged = entries.join(F.broadcast(duplicates.withColumn("_dup", F.lit(True))), list(POSITION_COLUMNS), "left")
+    joined = flagged.join(decided, list(TXN_KEY), "left")
+    before_marker = position_lt(F.col("ledger_id"), F.col("entry_id"), F.col("_ml"), F.col("_me"))
+    disposition = (
+        F.when(~is_data(), F.lit(MARKER))
+        .when(F.col("_dup").isNotNull(), F.lit(DUPLICATE))
+        .when(~has_txn(), F.lit(KEPT))
+        .when((F.col("outcome") == "COMMIT") & before_marker, F.lit(KEPT))
+        .when(F.col("outcome") == "ABORT", F.lit(ABORTED))
+        .otherwise(F.lit(OTHER))
+    )
+    return joined.withColumn("disposition", disposition).drop("_dup", "outcome", "_ml", "_me")
+
+
+def content_checksum() -> Column:
+    """An order-independent checksum of rows with the ledger_entries columns (an aggregate)."""
+    row_hash = F.xxhash64(*LEDGER_ENTRY_COLUMNS).cast("decimal(38,0)")
+    return F.coalesce(F.sum(row_hash), F.lit(0)).cast("decimal(38,0)").cast("string")
+
+
+def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id") -> str:
+    """A Spark SQL predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE)."""
+    by_topic: dict[str, list[int]] = {}
+    for topic, ledger_id in sorted(set(ledgers)):
+        by_topic.setdefault(topic, []).append(int(ledger_id))
+    if not by_topic:
+        return "false"
+    parts = [f"(topic = {_sql_string(t)} AND {ledger_column} IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
+    return " OR ".join(parts)
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
+    return frame.where(ledger_predicate(ledgers))
+
+
+# -- the offload --------------------------------------------------------------------------------
+
+@dataclass
+class OffloadResult:
+    """What one offload run did. `manifest` holds the manifest rows written in this run."""
+
+    manifest: list[dict] = field(default_factory=list)
+    already_offloaded: list[LedgerKey] = field(default_factory=list)
+    waiting: dict[LedgerKey, str] = field(default_factory=dict)
+    finished_orphans: list[LedgerKey] = field(default_factory=list)
+    rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
+    states_recorded: list[LedgerKey] = field(default_factory=list)
+
+    @property
+    def offloaded(self) -> list[LedgerKey]:
+        return [(r["topic"], r["ledger_id"]) for r in self.manifest]
+
+    def savings(self) -> dict[str, int]:
+        """Totals over this run's manifest rows: entries and bytes before and after, dropped by reason."""
+        keys = ["entries_before", "entries_kept", *DROP_COLUMNS.values(), "bytes_before", "bytes_after"]
+        totals = {k: sum(int(r[k]) for r in self.manifest) for k in keys}
+        totals["bytes_saved"] = totals["bytes_before"] - totals["bytes_after"]
+        totals["entries_dropped"] = totals["entries_before"] - totals["entries_kept"]
+        return totals
+
+
+def offload_ledgers(
+    warehouse: Warehouse,
+    ledger_ids: Iterable[int] | None = None,
+    crash_hook: Callable[[str], None] | None = None,
+) -> OffloadResult:
+    """Offload the eligible ledgers among `ledger_ids` (all ledgers when None), recovering first.
+
+    `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
+    make it raise to simulate a crash there.
+    """
+    wh = warehouse
+    wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
+    entries = wh.read(LEDGER_ENTRIES)
+    facts = classify_entries(entries, persist=True)
+    try:
+        stable = stable_from_facts(facts).cache()
+        catalog = ledger_eligibility(current_ledger_catalog(wh), stable).collect()
+        stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
+        result = OffloadResult()
+        manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
+        in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
+        in_tier = {
+            (r["topic"], r["ledger_id"])
+            for r in wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA).select("topic", "ledger_id").distinct().collect()
+        }
+        orphans = in_tier - in_manifest
+        eligible = {(r["topic"], r["ledger_id"]) for r in catalog if r["eligible"]}
+
+        targets: set[LedgerKey] = set()
+        for row in catalog:
+            key = (row["topic"], row["ledger_id"])
+            if key in in_manifest:
+                if row["state"] not in ("OFFLOADED", "DELETED"):
+                    result.states_recorded.append(key)  # crashed after the manifest: finish
+                if wanted is None or key[1] in wanted:
+                    result.already_offloaded.append(key)
+            elif key in orphans and key in eligible:
+                targets.add(key)
+                result.finished_orphans.append(key)
+            elif wanted is None or key[1] in wanted:
+                if key in eligible:
+                    targets.add(key)
+                else:
+                    result.waiting[key] = row["waiting_reason"]
+        result.rolled_back_orphans = sorted(orphans - targets)
+        if result.rolled_back_orphans:
+            wh.delete(OFFLOADED_ENTRIES, ledger_predicate(result.rolled_back_orphans))
+        if result.states_recorded:
+            record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
+        if targets:
+            by_key = {(r["topic"], r["ledger_id"]): r for r in catalog}
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), by_key, stable_at, crash_hook)
+        return result
+    finally:
+        for frame in facts.cached_frames():
+            frame.unpersist()
+
+
+def _copy_ledgers(
+    wh: Warehouse,
+    entries: DataFrame,
+    facts,
+    targets: list[LedgerKey],
+    catalog: dict[LedgerKey, Row],
+    stable_at: dict[str, Position],
+    crash_hook: Callable[[str], None] | None,
+) -> list[dict]:
+    predicate = ledger_predicate(targets)
+    classified = classify_for_offload(_in_ledgers(entries, targets), facts.txns, facts.duplicates)
+    kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
+    # Step 1: the tier rows of these ledgers, replaced in one commit.
+    wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    if crash_hook:
+        crash_hook(AFTER_ENTRIES)
+
+    # The manifest: range, count and bytes before from the catalog; the drops by reason from the
+    # classification (narrow columns: the payload is not read again); content from the tier.
+    dropped = {
+        (r["topic"], r["ledger_id"]): r
+        for r in classified.groupBy("topic", "ledger_id")
+        .agg(*[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()])
+        .collect()
+    }
+    written = {
+        (r["topic"], r["ledger_id"]): r
+        for r in _in_ledgers(wh.read(OFFLOADED_ENTRIES), targets)
+        .groupBy("topic", "ledger_id")
+        .agg(F.count("*").alias("entries_kept"), F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
+             content_checksum().alias("checksum"))
+        .collect()
+    }
+    location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
+    rows = []
+    for key in targets:
+        ledger, drops, tier = catalog[key], dropped[key], written.get(key)
+        stable = stable_at[key[0]]
+        rows.append({
+            "topic": key[0], "ledger_id": key[1],
+            "first_entry_id": ledger["first_entry_id"], "last_entry_id": ledger["last_entry_id"],
+            "entries_before": ledger["entry_count"], "entries_kept": tier["entries_kept"] if tier else 0,
+            **{c: drops[c] for c in DROP_COLUMNS.values()},
+            "bytes_before": ledger["size_bytes"], "bytes_after": tier["bytes_after"] if tier else 0,
+            "max_read_ledger_id": stable.ledger_id, "max_read_entry_id": stable.entry_id,
+            "checksum": tier["checksum"] if tier else "0", "tier_location": location, "offloaded_at": now,
+        })
+    manifest = wh.spark.createDataFrame([tuple(r[f.name] for f in OFFLOAD_MANIFEST_SCHEMA.fields) for r in rows],
+                                        OFFLOAD_MANIFEST_SCHEMA)
+    # Step 2: the manifest rows: from now on readers read these ledgers from the tier.
+    wh.overwrite(OFFLOAD_MANIFEST, manifest, replace_where=predicate)
+    if crash_hook:
+        crash_hook(AFTER_MANIFEST)
+    # Step 3: the catalog state.
+    record_ledger_states(wh, [(t, l, "OFFLOADED", "offloaded to the filtered tier") for t, l in targets])
+    return rows
+
+
+def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
+    """The ledgers the tier holds: those with a manifest row (the offload's commit point)."""
+    manifest = warehouse.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
+    if topic is not None:
+        manifest = manifest.where(F.col("topic") == topic)
+    return {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
+
+
+def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
+    """Ledgers to offload next, cheaply: eligible by the stored `stable_positions`, not yet in the manifest.
+
+    The stored stable positions may be older than `ledger_entries`; a stable position only moves
+    forward, so they only make this list shorter, never wrong. `offload_ledgers` decides again
+    from `ledger_entries`.
+    """
+    catalog = ledger_eligibility(current_ledger_catalog(warehouse), warehouse.read(STABLE_POSITIONS))
+    eligible = {(r["topic"], r["ledger_id"]) for r in catalog.where("eligible").select("topic", "ledger_id").collect()}
+    return sorted(eligible - offloaded_ledgers(warehouse))

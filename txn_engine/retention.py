@@ -1,0 +1,142 @@
+"""Retention: delete old ledgers from the hot tables, by default only once they are offloaded.
+
+A policy (age, size, keep-N-ledgers) picks, per topic, a prefix of the oldest ledgers: deleting
+stops at the first ledger the policy keeps or that may not go (OPEN, or not yet offloaded when
+`require_offloaded`), so the hot log of a topic is always a suffix of it and the abort set and
+the stable position of what is left stay meaningful.
+
+Deleting a ledger, in this order (each step idempotent; the state log is the intent):
+1. its last known catalog row goes to `deleted_ledgers` (so `ledgers` keeps listing it);
+2. `ledger_states` records DELETED;
+3. its rows leave the derived hot tables: `committed_entries`, `txn_markers`, and from the abort
+   set `aborted_txns` every abort whose marker was in it (the trim of the brief);
+4. its rows leave `ledger_entries`, last: a ledger recorded DELETED that still has entries is
+   unfinished, and every retention run finishes those first.
+The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
+
+A recompute of the buffer over the remaining `ledger_entries` gives the same trimmed abort set
+(tested). Two things change with the history cut: a transaction whose data was in a deleted
+ledger and whose COMMIT/ABORT marker is in a kept one becomes `marker_without_data` (an ABORT
+marker still keeps it in the abort set, which is right: its marker was not deleted); and a
+retried send whose first copy was deleted is no longer a duplicate in the hot tables (the reader
+drops it, since the first copy is in the tier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Iterable
+
+from pyspark.sql import functions as F
+
+from txn_engine.errors import TxnlakeError
+from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
+from txn_engine.offload import LedgerKey, ledger_predicate, offloaded_ledgers
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    DELETED_LEDGERS,
+    DELETED_LEDGERS_SCHEMA,
+    LEDGER_ENTRIES,
+    LEDGERS_SCHEMA,
+    TXN_MARKERS,
+)
+from txn_engine.warehouse import Warehouse
+
+# Crash-injection points of `apply_retention`, in order.
+AFTER_CATALOG, AFTER_STATE, AFTER_DERIVED = "after_catalog", "after_state", "after_derived"
+
+
+class RetentionPolicyError(TxnlakeError, ValueError):
+    """A retention policy that cannot be applied."""
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which ledgers to delete, per topic. A ledger goes when any set limit says so."""
+
+    max_age: timedelta | None = None  # its last entry was published longer ago than this
+    max_bytes: int | None = None  # the topic's hot ledgers hold more bytes than this (oldest go first)
+    keep_ledgers: int | None = None  # the topic has more than this many ledgers (oldest go first)
+    require_offloaded: bool = True  # only ledgers the tier already holds
+
+    def __post_init__(self) -> None:
+        if self.max_age is None and self.max_bytes is None and self.keep_ledgers is None:
+            raise RetentionPolicyError("a retention policy needs a limit: set max_age, max_bytes or keep_ledgers")
+        for name in ("max_bytes", "keep_ledgers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise RetentionPolicyError(f"{name} must not be negative, got {value}")
+        if self.max_age is not None and self.max_age < timedelta(0):
+            raise RetentionPolicyError(f"max_age must not be negative, got {self.max_age}")
+
+
+def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: datetime, offloaded: set[LedgerKey]) -> list[LedgerKey]:
+    """The ledgers `policy` deletes, from catalog rows (`ledgers` columns). Pure."""
+    by_topic: dict[str, list[dict]] = {}
+    for row in catalog:
+        if row["state"] != "DELETED":
+            by_topic.setdefault(row["topic"], []).append(row)
+    chosen: list[LedgerKey] = []
+    for topic, rows in sorted(by_topic.items()):
+        rows.sort(key=lambda r: r["ledger_id"])
+        hot_bytes = sum(r["size_bytes"] for r in rows)
+        for n, row in enumerate(rows):
+            key = (topic, row["ledger_id"])
+            too_many = policy.keep_ledgers is not None and len(rows) - n > policy.keep_ledgers
+            too_big = policy.max_bytes is not None and hot_bytes > policy.max_bytes
+            last = row["last_publish_time"]
+            too_old = policy.max_age is not None and last is not None and _utc(last) < now - policy.max_age
+            may_go = row["state"] != "OPEN" and (not policy.require_offloaded or key in offloaded)
+            if not (too_many or too_big or too_old) or not may_go:
+                break  # keep a suffix: never delete past a ledger that stays
+            chosen.append(key)
+            hot_bytes -= row["size_bytes"]
+    return chosen
+
+
+def _utc(moment: datetime) -> datetime:
+    # PySpark hands timestamps back as naive local times; astimezone reads a naive one as local.
+    return moment.astimezone(timezone.utc)
+
+
+@dataclass
+class RetentionResult:
+    deleted: list[LedgerKey] = field(default_factory=list)  # newly chosen by the policy
+    finished: list[LedgerKey] = field(default_factory=list)  # recorded DELETED earlier, entries still there
+
+
+def apply_retention(
+    warehouse: Warehouse,
+    policy: RetentionPolicy,
+    now: datetime | None = None,
+    crash_hook: Callable[[str], None] | None = None,
+) -> RetentionResult:
+    """Delete what `policy` chooses (and finish interrupted deletions). See the module doc for the steps."""
+    wh = warehouse
+    now = now or datetime.now(timezone.utc)
+    catalog = [r.asDict() for r in current_ledger_catalog(wh).collect()]
+    present = {(r.topic, r.ledger_id) for r in wh.read(LEDGER_ENTRIES).select("topic", "ledger_id").distinct().collect()}
+    unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
+    chosen = ledgers_to_delete(catalog, policy, now, offloaded_ledgers(wh))
+    result = RetentionResult(deleted=chosen, finished=unfinished)
+    if not chosen and not unfinished:
+        return result
+    hook = crash_hook or (lambda step: None)
+    if chosen:
+        rows = [r for r in catalog if (r["topic"], r["ledger_id"]) in set(chosen)]
+        last_known = wh.spark.createDataFrame([tuple(r[f.name] for f in LEDGERS_SCHEMA.fields) for r in rows], LEDGERS_SCHEMA)
+        last_known = last_known.withColumn("deleted_at", F.lit(now).cast("timestamp"))
+        last_known = last_known.select(*[F.col(f.name).cast(f.dataType) for f in DELETED_LEDGERS_SCHEMA.fields])
+        wh.overwrite(DELETED_LEDGERS, last_known, replace_where=ledger_predicate(chosen))
+        hook(AFTER_CATALOG)
+        record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
+        hook(AFTER_STATE)
+    targets = sorted(set(chosen) | set(unfinished))
+    wh.delete(COMMITTED_ENTRIES, ledger_predicate(targets))
+    wh.delete(TXN_MARKERS, ledger_predicate(targets))
+    wh.delete(ABORTED_TXNS, ledger_predicate(targets, "abort_ledger_id"))
+    hook(AFTER_DERIVED)
+    wh.delete(LEDGER_ENTRIES, ledger_predicate(targets))
+    return result
