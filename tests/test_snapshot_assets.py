@@ -10,13 +10,17 @@ from dagster import AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipR
 from pyspark.sql import functions as F
 
 from assets.snapshots import snapshot_schedule, snapshot_trigger_sensor
+from pipelines.buffer_sensors import range_tags
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, defs
+from pipelines.partitions import LEDGER_PARTITIONS
+from tests.dagster_runs import sensor_tick
 from tests.test_buffer_jobs import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
+    LEDGERS,
     RECOVERED_BUFFER_STATE,
     STABLE_POSITIONS,
     TXN_MARKERS,
@@ -28,6 +32,17 @@ from txn_engine.transaction_buffer import LogEntry
 
 BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
     AssetSelection.groups("snapshots")
+
+
+def buffer_and_snapshots(resources, instance, **segments):
+    """The catalog, the closed ledgers added as partitions, then the buffer over them and the snapshots in one run."""
+    catalog = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=AssetSelection.assets(LEDGERS), resources=resources,
+                          instance=instance)
+    assert catalog.success
+    sensor_tick(instance, resources)
+    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    return materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=resources,
+                       instance=instance, tags=range_tags(keys[0], keys[-1]), run_config=run_config(**segments))
 
 
 def run_config(**segments):
@@ -43,8 +58,8 @@ def metadata_of(result, table: str) -> dict:
 def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     entries = aborted_history("busy", 5) + [LogEntry("plain", 900, 0, "DATA"), LogEntry("plain", 900, 1, "DATA")]
     warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, entries))
-    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
-                         run_config=run_config(compact=False))
+    instance = DagsterInstance.ephemeral()
+    result = buffer_and_snapshots(dagster_resources, instance, compact=False)
     assert result.success
     # The first snapshot as soon as a topic has transactional data; none for a topic without.
     states = {r.topic: r for r in warehouse.read(TXN_SNAPSHOT_STATE).collect()}
@@ -71,8 +86,7 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     assert (busy(TriggerConfig(max_changes=3), taken).changes_since_snapshot, busy(TriggerConfig(3), taken).due) == (2, False)
     assert busy(TriggerConfig(max_changes=2), taken).due
     assert busy(TriggerConfig(max_changes=3, interval_seconds=60), taken + timedelta(seconds=61)).due
-    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER_AND_SNAPSHOTS, resources=dagster_resources,
-                         run_config=run_config(max_changes=2, compact=True))
+    result = buffer_and_snapshots(dagster_resources, instance, max_changes=2, compact=True)
     assert metadata_of(result, TXN_SNAPSHOT_SEGMENTS)["topics_snapshotted"] == 1
     state = warehouse.read(TXN_SNAPSHOT_STATE).where("topic = 'busy'").first()
     assert (state.state, state.abort_count, state.changes_since_snapshot) == ("READY", 7, 0)
