@@ -24,7 +24,8 @@ $(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
 	@printf 'telemetry:\n  enabled: false\n' > $@
 
-## run: generate and ingest a small demo log into an empty warehouse, then derive every table.
+## run: generate and ingest a small demo log into an empty warehouse (plus a workload through the
+## engine), derive every table, take the transaction-buffer snapshots and offload eligible ledgers.
 run: setup $(DAGSTER_HOME)/dagster.yaml
 	@if [ ! -d "$(TXNLAKE_WAREHOUSE)/ledger_entries/_delta_log" ]; then \
 		echo "== empty warehouse: generating $(DEMO_ENTRIES) demo entries"; \
@@ -34,6 +35,8 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 		$(VENV)/bin/txnlake demo || exit 1; \
 	fi
 	$(VENV)/bin/txnlake run
+	$(VENV)/bin/txnlake snapshot
+	$(VENV)/bin/txnlake offload
 	@echo
 	@echo "Tables (Delta) are under $(TXNLAKE_WAREHOUSE)/<table>."
 	@echo "Open the UI:  make ui   (DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -w workspace.yaml)"
