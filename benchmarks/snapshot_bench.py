@@ -1,7 +1,8 @@
 """Benchmark: transaction-buffer snapshots, N aborted transactions over 4 topics (default 1 million).
 
 Measured side by side in one run, on the same `ledger_entries` Delta table (each aborted
-transaction is a DATA entry and its ABORT marker; 10 000 entries a ledger):
+transaction is a DATA entry and its ABORT marker; 10 000 entries a ledger, ledger ids unique
+across topics; files of 100 000 entries, each a range of ledgers, as ingest appends leave them):
 - snapshot write: segments of every topic's abort set, from `aborted_txns` + `stable_positions`;
 - after the snapshot, 1% more aborted transactions are appended (the replay's work);
 - recovery from the snapshot (`recovered_buffer_state`) against a full replay of ledger_entries
@@ -21,6 +22,7 @@ from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
 TOPICS = 4
 LEDGER_SIZE = 10_000
 TAIL_FRACTION = 0.01
+ENTRIES_PER_FILE = 100_000
 
 
 def log_frame(spark, first_txn: int, count: int):
@@ -39,7 +41,9 @@ def log_frame(spark, first_txn: int, count: int):
     ).withColumn("_n", F.col("_n") + F.col("k"))
     return rows.select(
         "topic",
-        (F.floor(F.col("_n") / LEDGER_SIZE) + 1).cast("long").alias("ledger_id"),
+        # BookKeeper-style ids: unique across topics, increasing with creation time (the topics'
+        # ledgers are created in turn).
+        (F.floor(F.col("_n") / LEDGER_SIZE) * TOPICS + F.col("txn") % TOPICS + 1).cast("long").alias("ledger_id"),
         (F.col("_n") % LEDGER_SIZE).cast("long").alias("entry_id"),
         F.when(F.col("k") == 0, F.lit("DATA")).otherwise(F.lit("ABORT")).alias("entry_type"),
         F.lit(1).cast("long").alias("txn_most_bits"),
@@ -53,13 +57,26 @@ def log_frame(spark, first_txn: int, count: int):
     ).select(*[F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields])
 
 
+def as_ingested(frame, entries: int):
+    """The layout appends of a growing log leave: files of ~ENTRIES_PER_FILE entries, each a range
+    of ledgers, sorted by position as ingest writes them (what lets recovery skip old files)."""
+    from txn_engine.schema import POSITION_COLUMNS
+
+    files = max(1, entries // ENTRIES_PER_FILE)
+    return frame.repartitionByRange(files, "ledger_id", "entry_id").sortWithinPartitions(*POSITION_COLUMNS)
+
+
 def run(aborts: int, workdir: Path) -> dict:
+    from pyspark.sql import functions as F
+
     from resources.spark import get_spark
     from txn_engine.buffer_jobs import compute_buffer_tables
     from txn_engine.schema import ABORTED_TXNS, LEDGER_ENTRIES, RECOVERED_BUFFER_STATE, STABLE_POSITIONS
     from txn_engine.settings import WarehouseSettings
     from txn_engine.snapshot_jobs import (
+        entries_after_snapshots,
         full_replay_states,
+        live_snapshots,
         read_segments,
         recover_from_warehouse,
         recovery_mismatches,
@@ -72,7 +89,7 @@ def run(aborts: int, workdir: Path) -> dict:
     wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh")))
     tail = max(1, int(aborts * TAIL_FRACTION))
     with timed(f"write ledger_entries ({2 * aborts:,} entries)"):
-        wh.overwrite(LEDGER_ENTRIES, log_frame(spark, 0, aborts))
+        wh.overwrite(LEDGER_ENTRIES, as_ingested(log_frame(spark, 0, aborts), 2 * aborts))
     with timed("buffer tables (aborted_txns, stable_positions)"):
         tables = compute_buffer_tables(wh.read(LEDGER_ENTRIES))
         wh.overwrite(STABLE_POSITIONS, tables.stable_positions)
@@ -83,13 +100,19 @@ def run(aborts: int, workdir: Path) -> dict:
         summary = write_snapshots(wh, topics)
     segments = read_segments(wh).count()
     with timed(f"append {tail:,} more aborted transactions"):
-        wh.append(LEDGER_ENTRIES, log_frame(spark, aborts, tail))
+        wh.append(LEDGER_ENTRIES, as_ingested(log_frame(spark, aborts, tail), 2 * tail))
 
     with timed("recovery: snapshot + replay (write recovered_buffer_state)") as t_recover:
         wh.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(wh))
     with timed("full replay of ledger_entries (write full_replay)") as t_full:
         wh.overwrite("full_replay", full_replay_states(wh.read(LEDGER_ENTRIES)))
     jvm_peak = jvm_peak_rss_mib(spark)
+    # The files the replay after the snapshots plans to read (after data skipping), of all.
+    bounds = live_snapshots(read_segments(wh)).where(F.col("fallback_reason").isNull()).select(
+        "topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
+    entries = wh.read(LEDGER_ENTRIES)
+    lowest = bounds.agg(F.min("_sl")).first()[0]
+    files_replayed = len(entries_after_snapshots(entries, bounds, lowest).inputFiles())
     mismatches = recovery_mismatches(wh.read(RECOVERED_BUFFER_STATE), wh.read("full_replay")).count()
     sources = {r.source: r["count"] for r in wh.read(RECOVERED_BUFFER_STATE).groupBy("source").count().collect()}
     replayed = wh.read(RECOVERED_BUFFER_STATE).agg({"replayed_entries": "sum"}).first()[0]
@@ -103,6 +126,8 @@ def run(aborts: int, workdir: Path) -> dict:
         "full_replay_s": t_full.seconds,
         "full_replay_vs_recovery": t_full.seconds / t_recover.seconds,
         "replayed_entries": replayed,
+        "ledger_entries_files": len(entries.inputFiles()),
+        "files_read_by_replay": files_replayed,
         "sources": sources,
         "recovery_equals_full_replay": mismatches == 0,
         "jvm_peak_rss_mib": jvm_peak,

@@ -17,7 +17,13 @@ from tests.test_buffer_jobs import frame
 from txn_engine.buffer_jobs import aborted_txns, stable_positions
 from txn_engine.ledgers import record_ledger_states
 from txn_engine.positions import Position
-from txn_engine.schema import LEDGER_ENTRIES, TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA
+from txn_engine.schema import (
+    LEDGER_ENTRIES,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
+    TXN_SNAPSHOT_SEGMENTS,
+    TXN_SNAPSHOT_SEGMENTS_SCHEMA,
+)
 from txn_engine.snapshot_jobs import (
     ENDS,
     PARTS,
@@ -61,7 +67,10 @@ def snapshot(warehouse, entries: list[LogEntry], topics, config=SMALL, **kwargs)
 
 
 def store_log(warehouse, entries: list[LogEntry], deleted: dict[str, set[int]] | None = None) -> None:
+    """Replace the log and its ledger_states: hypothesis reuses one warehouse across examples, and a
+    DELETED record left by an earlier example would trim this one's abort sets."""
     warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, entries))
+    warehouse.overwrite(LEDGER_STATES_LOG, warehouse.spark.createDataFrame([], LEDGER_STATES_SCHEMA))
     transitions = [(t, lid, "DELETED", "retention") for t, ids in (deleted or {}).items() for lid in sorted(ids)]
     record_ledger_states(warehouse, transitions)
 

@@ -471,10 +471,9 @@ def _replay_input(spark, entries: DataFrame, snap: DataFrame, kept: DataFrame, d
       position-before rule. It is the max read position itself unless that ledger was deleted.
     A `_anchor` column tells the anchors apart.
     """
-    with_snap = entries.join(F.broadcast(snap), "topic", "left")
-    no_snapshot = with_snap.where(F.col("_sl").isNull()).select(*LEDGER_ENTRY_COLUMNS)
-    after = with_snap.where(F.col("_sl").isNotNull() & position_lt(F.col("_sl"), F.col("_se"), F.col("ledger_id"),
-                                                                     F.col("entry_id")))
+    bounds = snap.select("topic", "_sl").collect()  # one row per snapshot topic
+    no_snapshot = entries_without_snapshot(entries, [r.topic for r in bounds])
+    after = entries_after_snapshots(entries, snap, min((r._sl for r in bounds), default=None))
     # The replay after a snapshot is short (the triggers keep it so): broadcast its transactions
     # and explode only the snapshot's aborts, never shuffle them.
     met = after.where(has_txn()).select(*TXN_KEY).distinct()
@@ -497,6 +496,34 @@ def _replay_input(spark, entries: DataFrame, snap: DataFrame, kept: DataFrame, d
         no_snapshot.unionByName(after).withColumn("_anchor", F.lit(False))
         .unionByName(anchors.withColumn("_anchor", F.lit(True)))
     )
+
+
+def entries_after_snapshots(entries: DataFrame, snap: DataFrame, lowest_ledger: int | None) -> DataFrame:
+    """The entries after each snapshot topic's max read position (`snap`: topic, _sl, _se, ...).
+
+    Ledger ids are unique across topics and increase with creation time (BookKeeper), so every
+    entry to replay lies in a ledger >= `lowest_ledger`, the smallest max read ledger among the
+    snapshots: that literal bound reaches the Delta scan, whose file statistics skip the files of
+    older ledgers. The broadcast join then applies each topic's own position.
+    """
+    if lowest_ledger is None:  # no snapshot topic: nothing to read
+        return entries.where(F.lit(False)).join(snap, "topic")
+    return (
+        entries.where(F.col("ledger_id") >= F.lit(lowest_ledger))
+        .join(F.broadcast(snap), "topic")
+        .where(position_lt(F.col("_sl"), F.col("_se"), F.col("ledger_id"), F.col("entry_id")))
+    )
+
+
+def entries_without_snapshot(entries: DataFrame, snapshot_topics: Sequence[str]) -> DataFrame:
+    """All entries of the topics that have no usable snapshot (they are replayed in full).
+
+    Which topics those are is read from the `topic` column alone (a cheap scan); their entries are
+    then read by a literal topic filter, so files of snapshot topics only can be skipped too.
+    """
+    known = set(snapshot_topics)
+    others = sorted(r.topic for r in entries.select("topic").distinct().collect() if r.topic not in known)
+    return entries.where(F.col("topic").isin(others) if others else F.lit(False)).select(*LEDGER_ENTRY_COLUMNS)
 
 
 def _anchors(spark, entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> DataFrame:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Callable, Iterable, Sequence
 
+from txn_engine.errors import TxnlakeError
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.transaction_buffer import BufferState, LogEntry, TopicTransactionBuffer, TxnId
 
@@ -53,8 +54,9 @@ class Source(StrEnum):
     FULL_REPLAY = "FULL_REPLAY"
 
 
-class SnapshotError(ValueError):
-    """A snapshot configuration or segment that cannot be used; the message says what to do."""
+class SnapshotError(TxnlakeError, ValueError):
+    """A snapshot configuration or segment that cannot be used; the message says what to do
+    (a TxnlakeError, so the CLI prints it without a traceback and exits 2)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,73 @@
+"""Recovery reads only what follows the snapshots: the replay's literal ledger bound reaches the
+Delta scan and skips the files of older ledgers, with the recovered state still equal to the full
+replay (ledger ids BookKeeper-style: unique across topics, increasing in creation time)."""
+
+from __future__ import annotations
+
+from pyspark.sql import functions as F
+
+from tests.test_buffer_jobs import frame
+from tests.test_snapshot_jobs import assert_all_recover, snapshot
+from txn_engine.ledgers import record_ledger_states
+from txn_engine.schema import LEDGER_ENTRIES
+from txn_engine.snapshot_jobs import entries_after_snapshots, entries_without_snapshot
+from txn_engine.transaction_buffer import LogEntry
+
+LEDGER_SIZE = 4
+
+
+def interleaved_log(topics: list[str], txns: int, first_ledger: int) -> list[list[LogEntry]]:
+    """Per topic `txns` aborted transactions (DATA then ABORT), `LEDGER_SIZE` entries a ledger; the
+    topics' ledgers are created in turn, so ids are unique and increase with creation time.
+    Returned as batches of one ledger per topic, in creation order (as ingest would append them)."""
+    n_ledgers = 2 * txns // LEDGER_SIZE
+    batches = []
+    for rank in range(n_ledgers):
+        batch = []
+        for t, topic in enumerate(topics):
+            ledger = first_ledger + rank * len(topics) + t
+            for k in range(LEDGER_SIZE):
+                n = rank * LEDGER_SIZE + k
+                batch.append(LogEntry(topic, ledger, k, "DATA" if n % 2 == 0 else "ABORT", 7, n // 2))
+        batches.append(batch)
+    return batches
+
+
+def test_recovery_reads_only_the_files_after_the_snapshots(warehouse, spark):
+    old = [LogEntry("never", 90, k, "DATA" if k % 2 == 0 else "ABORT", 7, k // 2) for k in range(4)]
+    batches = interleaved_log(["a", "b"], txns=12, first_ledger=100)  # 6 batches: ledgers 100..111
+    # One Delta file per ingest batch, as appends of a growing log leave them.
+    warehouse.overwrite(LEDGER_ENTRIES, frame(spark, old).coalesce(1))
+    for batch in batches:
+        warehouse.append(LEDGER_ENTRIES, frame(spark, batch).coalesce(1))
+    everything = old + [e for b in batches for e in b]
+    # Snapshots as of the first four batches (a's max read position in ledger 106, b's in 107).
+    snapshot(warehouse, old + [e for b in batches[:4] for e in b], ["a", "b"])
+    # a's oldest ledgers deleted since: trimmed from the snapshot's abort set.
+    record_ledger_states(warehouse, [("a", 100, "DELETED", "retention"), ("a", 102, "DELETED", "retention")])
+    remaining = [e for e in everything if not (e.topic == "a" and e.ledger_id in (100, 102))]
+    warehouse.overwrite(LEDGER_ENTRIES, frame(spark, remaining).where("false"),
+                        replace_where="topic = 'a' AND ledger_id IN (100, 102)")
+
+    recovered = assert_all_recover(warehouse, remaining, expect_source={"a": "SNAPSHOT", "b": "SNAPSHOT",
+                                                                         "never": "FULL_REPLAY"})
+    # The replay covers exactly the entries after each max read position.
+    assert recovered["a"]["replayed_entries"] == sum(1 for e in remaining if e.topic == "a" and e.ledger_id > 106)
+    assert recovered["b"]["replayed_entries"] == sum(1 for e in remaining if e.topic == "b" and e.ledger_id > 107)
+    assert recovered["never"]["replayed_entries"] == len(old)
+
+    # The scans as planned, after Delta's data skipping: the replay after the snapshots opens only
+    # the files of ledgers >= 106 (a's max read ledger, the lowest), the full replay of "never"
+    # only its own file.
+    entries = warehouse.read(LEDGER_ENTRIES)
+    by_file = entries.groupBy(F.input_file_name().alias("f")).agg(
+        F.max("ledger_id").alias("hi"), F.collect_set("topic").alias("topics")).collect()
+    assert len(by_file) == 7
+    snap = spark.createDataFrame([("a", 106, 3), ("b", 107, 3)], "topic string, _sl long, _se long")
+    after = entries_after_snapshots(entries, snap, 106)
+    plan = after._jdf.queryExecution().executedPlan().toString()
+    assert "ledger_id#" in plan and ">= 106" in plan, plan
+    assert set(after.inputFiles()) == {r.f for r in by_file if r.hi >= 106}
+    assert set(entries_without_snapshot(entries, ["a", "b"]).inputFiles()) == {
+        r.f for r in by_file if "never" in r.topics}
+    assert after.count() == sum(recovered[t]["replayed_entries"] for t in ("a", "b"))
