@@ -8,7 +8,7 @@ topic reads exactly as the reference `TopicTransactionBuffer.read_committed` ove
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.offload_history import derive_buffer_tables
@@ -65,7 +65,7 @@ def read_all(warehouse, topics) -> dict[str, list[tuple]]:
     return {t: [(e.ledger_id, e.entry_id, bytes(e.payload)) for e in reader.read(t).entries] for t in topics}
 
 
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(histories=HISTORIES)
 def test_tier_plus_hot_reads_equal_the_reference(warehouse, histories):
     # Ledger ids are unique across topics, as BookKeeper's are: topic i uses ids from 100*i.

@@ -8,7 +8,7 @@ import threading
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from pyspark.sql import functions as F
 
@@ -274,7 +274,8 @@ def segment_rows(rows: list[SnapshotSegment]) -> list[tuple]:
              r.segment_index, r.segment_count, r.abort_count, r.tombstone, None) for r in rows]
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+# Each example is several Spark jobs: few examples, no shrinking (a failure shows its history as drawn).
+@settings(max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_lists, min_size=6, max_size=10))
 def test_random_histories_recover_on_spark(warehouse, spark, histories_ops):
