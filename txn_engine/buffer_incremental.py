@@ -9,7 +9,8 @@ so that processing newly closed ledgers reads those ledgers' entries, not the hi
   ledgers' last entries), so a run refolds them all (narrow: about one row per transaction and
   ledger) and never rereads old entries.
 - `buffer_sequence_ranges`: per (topic, producer, ledger) the runs of consecutive sequence ids
-  of its DATA entries: the exact set of pairs, usually one row per producer and ledger. An entry
+  of its kept DATA entries (pairs first seen in that ledger), usually one row per producer and
+  ledger; over the ledgers before L they hold exactly the pairs seen before L. An entry
   is a duplicate when an earlier ledger's run holds its pair, or an earlier entry of the same
   recomputed ledgers has it (`buffer_jobs.duplicate_positions`): the brief's rule, exactly.
 - `buffer_duplicates`: the duplicate positions (dropped wherever rows are read back).
@@ -125,22 +126,28 @@ class BufferRefresh:
 
 # -- pure DataFrame steps ----------------------------------------------------------------------
 
-def sequence_ranges(narrow: DataFrame) -> DataFrame:
-    """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids of DATA entries.
+def sequence_ranges(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
+    """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids first seen in that ledger.
 
-    Two hash aggregates decide most groups (distinct ids, then min/max/count: a group is one run
-    when its count fills the span); only groups with gaps are sorted to find their runs.
+    Only kept DATA entries count (the `duplicates` positions are left out), so every pair occurs
+    once and no `distinct` is needed. The union of the runs of the ledgers before L is still
+    exactly the set of pairs seen before L (a pair seen there was first seen there), which is
+    all `duplicates_of_earlier_ledgers` asks. One hash aggregate decides most groups (a group
+    is one run when its count fills the span); only groups with gaps are sorted into runs.
     """
     group = ["topic", "producer_id", "ledger_id"]
-    distinct = narrow.filter(is_data() & has_sequence()).select(*group, "sequence_id").distinct()
-    spans = distinct.groupBy(*group).agg(
+    kept = narrow.filter(is_data() & has_sequence()).select(*group, "entry_id", "sequence_id").join(
+        F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti"
+    ).drop("entry_id")
+    spans = kept.groupBy(*group).agg(
         F.min("sequence_id").alias("first_sequence_id"),
         F.max("sequence_id").alias("last_sequence_id"),
         F.count("*").alias("_n"),
     )
     one_run = F.col("_n") == F.col("last_sequence_id") - F.col("first_sequence_id") + 1
     whole = spans.filter(one_run).drop("_n")
-    gappy = distinct.join(spans.filter(~one_run).select(*group), group, "left_semi")
+    # Groups with gaps are few (a producer whose sends interleave with a retry's ledger); broadcast their keys.
+    gappy = kept.join(F.broadcast(spans.filter(~one_run).select(*group)), group, "left_semi")
     island = F.col("sequence_id") - F.row_number().over(Window.partitionBy(*group).orderBy("sequence_id"))
     runs = gappy.withColumn("_island", island).groupBy(*group, "_island").agg(
         F.min("sequence_id").alias("first_sequence_id"), F.max("sequence_id").alias("last_sequence_id")
@@ -350,7 +357,7 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, aft
     # State last, buffer_ledger_txns the very last: it records what is done.
     write(BUFFER_PENDING_ENTRIES, pending_entries(facts.entries, facts.duplicates, scope_ledger_txns))
     write(BUFFER_DUPLICATES, conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA))
-    write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS)))
+    write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS), facts.duplicates))
     write(BUFFER_LEDGER_TXNS, scope_ledger_txns)
     ledgers = sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full else sorted(scope)
     return BufferRefresh(full=full, ledgers=ledgers)
