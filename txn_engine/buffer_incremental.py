@@ -5,9 +5,10 @@
 so that processing newly closed ledgers reads those ledgers' entries, not the history:
 
 - `buffer_ledger_txns`: `buffer_jobs.by_ledger_txn`, one row per (topic, ledger, transaction).
-  Every other fact is a fold of these rows (`txns_from_ledger_txns`, the stable position, the
-  ledgers' last entries), so a run refolds them all (narrow: about one row per transaction and
-  ledger) and never rereads old entries.
+  Every other fact is a fold of these rows (`txns_from_ledger_txns`, the stable position), so
+  a run never rereads old entries; it refolds only the transactions its ledgers touch and those
+  that may still be ongoing (`txns_to_refold`), and takes the ledgers' last entries from the
+  catalog.
 - `buffer_sequence_ranges`: per (topic, producer, ledger) the runs of consecutive sequence ids
   of its kept DATA entries (pairs first seen in that ledger), usually one row per producer and
   ledger; over the ledgers before L they hold exactly the pairs seen before L. An entry
@@ -246,19 +247,45 @@ def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable
     """(ledgers to recompute, deleted ledgers, topics recomputed whole) from the catalog and the state.
 
     `inventory`: (topic, ledger_id, entry_count, last_entry_id) of every ledger `ledger_entries`
-    holds; `ledger_txns`: the persisted `buffer_ledger_txns`.
+    holds; `ledger_txns`: the persisted `buffer_ledger_txns`. Both are folded to one row per
+    ledger and collected once (a few thousand rows), so the plan costs two small jobs.
     """
-    known = ledger_txns.groupBy("topic", "ledger_id").agg(
-        F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id")
-    )
-    now = inventory.select("topic", "ledger_id", "entry_count", "last_entry_id")
-    changed = {r.ledger_id for r in now.join(known, ["topic", "ledger_id", "entry_count", "last_entry_id"], "left_anti").collect()}
-    deleted_rows = known.join(now, ["topic", "ledger_id"], "left_anti").select("topic", "ledger_id").collect()
-    deleted = {r.ledger_id for r in deleted_rows}
-    topics = {r.topic for r in deleted_rows}
-    wanted = set(int(i) for i in requested) & {r.ledger_id for r in now.select("ledger_id").collect()}
-    whole_topics = {r.ledger_id for r in now.filter(F.col("topic").isin(sorted(topics))).select("ledger_id").collect()} if topics else set()
+    known = {
+        (r.topic, r.ledger_id): (r.entry_count, r.last_entry_id)
+        for r in ledger_txns.groupBy("topic", "ledger_id")
+        .agg(F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id"))
+        .collect()
+    }
+    now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in inventory.collect()}
+    changed = {ledger for key, ledger in ((k, k[1]) for k in now) if known.get(key) != now[key]}
+    gone = [key for key in known if key not in now]
+    deleted = {ledger for _, ledger in gone}
+    topics = {topic for topic, _ in gone}
+    wanted = set(int(i) for i in requested) & {ledger for _, ledger in now}
+    whole_topics = {ledger for topic, ledger in now if topic in topics}
     return wanted | changed | whole_topics, deleted, topics
+
+
+def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, stable_rows) -> DataFrame:
+    """The rows of `kept_ledger_txns` whose transaction the run must fold again.
+
+    Those are the transactions the scope touches, and every transaction that may still be
+    ongoing: one with kept data and no marker in some ledger at or after its topic's stored
+    stable position (a transaction ongoing now was ongoing at the last run, so its first entry
+    lies after the stable position stored then, or it has entries in the scope). Decided
+    transactions wholly before the stable position are not refolded: their markers, abort and
+    commit rows are already written, which is what keeps a run proportional to its ledgers.
+    """
+    touched = scope_ledger_txns.filter(has_txn()).select(*TXN_KEY)
+    stable_at = [(r.topic, r.max_read_ledger_id) for r in stable_rows]
+    unmarked = kept_ledger_txns.filter(has_txn() & (F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
+    if stable_at:
+        at = kept_ledger_txns.sparkSession.createDataFrame(stable_at, "topic string, _sl long")
+        unmarked = unmarked.join(F.broadcast(at), "topic", "left").filter(
+            F.col("_sl").isNull() | (F.col("ledger_id") >= F.col("_sl"))
+        )
+    keys = touched.unionByName(unmarked.select(*TXN_KEY)).distinct()
+    return kept_ledger_txns.join(F.broadcast(keys), list(TXN_KEY), "left_semi")
 
 
 def refresh_buffer(
@@ -282,7 +309,9 @@ def refresh_buffer(
         topics: set[str] = set()
         entries = entries_all
         kept_state = None
+        old_stable = None
     else:
+        old_stable = wh.read(STABLE_POSITIONS).collect()
         state = wh.read(BUFFER_LEDGER_TXNS)
         scope, deleted, topics = plan_scope(inventory, state, ledgers)
         if not scope and not deleted:
@@ -298,14 +327,19 @@ def refresh_buffer(
         duplicates = duplicates.unionByName(duplicates_of_earlier_ledgers(narrow, kept_state[BUFFER_SEQUENCE_RANGES])).distinct()
     duplicates = duplicates.cache()
     scope_ledger_txns = conform(by_ledger_txn(narrow, duplicates), BUFFER_LEDGER_TXNS_SCHEMA).cache()
-    all_ledger_txns = scope_ledger_txns if kept_state is None else scope_ledger_txns.unionByName(kept_state[BUFFER_LEDGER_TXNS])
-    txns = txns_from_ledger_txns(all_ledger_txns).cache()
-    last_entries = all_ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-    facts = BufferFacts(entries, duplicates, all_ledger_txns, last_entries, txns)
+    if kept_state is None:
+        folded = scope_ledger_txns
+        last_entries = folded.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+    else:
+        folded = scope_ledger_txns.unionByName(txns_to_refold(kept_state[BUFFER_LEDGER_TXNS], scope_ledger_txns, old_stable))
+        # After this run the state describes exactly the catalog's ledgers: their last entries are the catalog's.
+        last_entries = inventory.select("topic", "ledger_id", "last_entry_id")
+    txns = txns_from_ledger_txns(folded).cache()
+    facts = BufferFacts(entries, duplicates, folded, last_entries, txns)
     stable = stable_from_facts(facts).cache()
     cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
     try:
-        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, after_write)
+        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
         counts = scoped_violations(facts, scope_ledger_txns).agg(*[F.sum(v).alias(v) for v in VIOLATIONS]).first()
@@ -316,7 +350,7 @@ def refresh_buffer(
             frame.unpersist()
 
 
-def _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, after_write) -> BufferRefresh:
+def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write) -> BufferRefresh:
     full = kept_state is None
     replaced = sorted(scope | deleted)
     in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
@@ -339,7 +373,6 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, scope, deleted, aft
         committed = committed.filter(in_scope("visible_ledger_id"))
         # Rows of older ledgers that a commit in the scope makes visible.
         data = data.unionByName(kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi"))
-    old_stable = None if full else wh.read(STABLE_POSITIONS).collect()
 
     # Contract tables first; the small ones before committed_entries (see BufferTables).
     write(TXN_MARKERS, markers)
