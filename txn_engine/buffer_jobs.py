@@ -29,8 +29,9 @@ How the work is laid out, and why (the payload is ~200 bytes a row, the other co
   buffer (Spark falls back to a sort aggregate), so the lexicographic minimum is taken in two
   hash aggregates, per (topic, ledger, txn) with min(entry_id), then per (topic, txn) with
   min(ledger_id) and min_by(entry, ledger_id) (each ledger occurs once per txn there).
-- `committed_entries` shuffles full rows once, and only transactional DATA rows: they are
-  partitioned by transaction to number them (`local_seq`). Non-transactional rows are not
+- `committed_entries` shuffles and sorts full rows once, and only transactional DATA rows: they
+  are partitioned by transaction to number them (`local_seq`), and the join with the committed
+  transactions reuses that order. Non-transactional rows are not
   shuffled; stable positions (one row per topic) are broadcast.
 - `compute_buffer_tables` caches the narrow facts and the stable positions, so writing the four
   tables reads the full rows only for `committed_entries`.
@@ -309,18 +310,17 @@ def read_committed(data: DataFrame, committed: DataFrame, stable: DataFrame) -> 
         F.col("entry_id").alias("visible_entry_id"),
         F.lit(0).cast("long").alias("local_seq"),
     )
-    # The one shuffle of full rows: by transaction, which the join and the numbering share.
-    in_txn = (
+    # The one shuffle of full rows: by transaction, which the numbering and the join share.
+    # Numbering first lets the join reuse the window's sort (its rows are already ordered by
+    # transaction), so full rows are sorted once, not twice. Data after the marker is numbered
+    # after every entry before it, so dropping it afterwards leaves local_seq unchanged.
+    in_txn_order = Window.partitionBy(*TXN_KEY).orderBy("ledger_id", "entry_id")
+    numbered = (
         data.filter(has_txn())
+        .withColumn("local_seq", (F.row_number().over(in_txn_order) - 1).cast("long"))
         .join(committed, list(TXN_KEY))
         .filter(position_lt(F.col("ledger_id"), F.col("entry_id"), F.col("visible_ledger_id"), F.col("visible_entry_id")))
-    )
-    in_txn_order = Window.partitionBy(*TXN_KEY).orderBy("ledger_id", "entry_id")
-    numbered = in_txn.select(
-        *LEDGER_ENTRY_COLUMNS,
-        "visible_ledger_id",
-        "visible_entry_id",
-        (F.row_number().over(in_txn_order) - 1).cast("long").alias("local_seq"),
+        .select(*LEDGER_ENTRY_COLUMNS, "visible_ledger_id", "visible_entry_id", "local_seq")
     )
     stable_at = stable.select("topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
     visible = plain.unionByName(numbered).join(F.broadcast(stable_at), "topic")
