@@ -10,11 +10,15 @@ Everything is decided from `ledger_entries` itself with the buffer's own rules
 (`buffer_jobs.classify_entries`), never from the derived tables, which may be from an older
 computation or half rewritten: eligibility and the filter come from one consistent view.
 
-How the work is laid out, and why: the facts are narrow (no payload); the offloaded ledgers' rows
-are read once, classified against the duplicates and the decided transactions (both broadcast,
-so no full row is shuffled), and spilled to local disk with each row's size and hash. The tier
-is written from that copy, and the manifest (counts by reason, bytes, the checksum of the rows
-as written) is an aggregate over its narrow columns: the payload is read from the log once.
+How the work is laid out, and why (writing Parquet costs several times what reading it does):
+- one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
+  and the manifest describe the same rows;
+- the facts are narrow (no payload), and so is the catalog eligibility is decided from;
+- the offloaded ledgers' rows are classified against the duplicates and the decided
+  transactions, both broadcast (no full row is shuffled), and the kept ones written;
+- the manifest (range, counts by reason, bytes, the checksum of the kept rows) is one aggregate
+  over the same classification, recomputed rather than cached: re-reading the rows costs less
+  than spilling them, and the tier is not read back.
 
 Per ledger the write is three steps, and the manifest row is the commit point:
 1. the kept rows replace the ledger's rows in `offloaded_entries` (Delta replaceWhere: one commit);
@@ -34,7 +38,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
@@ -209,7 +212,7 @@ def offload_ledgers(
     """
     wh = warehouse
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
-    entries = wh.read(LEDGER_ENTRIES)
+    entries = _log_as_of_now(wh)
     facts = classify_entries(entries, persist=True)
     stable = stable_from_facts(facts).cache()
     try:
@@ -260,6 +263,13 @@ def offload_ledgers(
             frame.unpersist()
 
 
+def _log_as_of_now(wh: Warehouse) -> DataFrame:
+    """`ledger_entries` pinned to its current version: every job of this run reads the same rows."""
+    wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
+    version = wh.version(LEDGER_ENTRIES)
+    return wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(LEDGER_ENTRIES))
+
+
 def _copy_ledgers(
     wh: Warehouse,
     entries: DataFrame,
@@ -272,23 +282,15 @@ def _copy_ledgers(
     decided = facts.txns.where(F.col("outcome").isNotNull())
     if decided.count() <= BROADCAST_TXNS_MAX:  # `txns` is cached: a cheap count
         decided = F.broadcast(decided)
-    # The target rows, read once: the tier is written from this copy and the manifest counted
-    # from its narrow columns. On local disk, not in the heap: it holds the payloads.
-    classified = (
-        classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
-        .withColumn("_bytes", entry_size_bytes())
-        .withColumn("_hash", row_hash())
-        .persist(StorageLevel.DISK_ONLY)
-    )
-    try:
-        kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
-        # Step 1: the tier rows of these ledgers, replaced in one commit.
-        wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
-        if crash_hook:
-            crash_hook(AFTER_ENTRIES)
-        counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(classified).collect()}
-    finally:
-        classified.unpersist()
+    classified = classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
+    kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
+    # Step 1: the tier rows of these ledgers, replaced in one commit.
+    wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    if crash_hook:
+        crash_hook(AFTER_ENTRIES)
+    # The same rows again (same log version, same classification): what was written, counted.
+    with_sizes = classified.withColumn("_bytes", entry_size_bytes()).withColumn("_hash", row_hash())
+    counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(with_sizes).collect()}
     location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
     rows = []
     for key in targets:
