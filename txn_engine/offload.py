@@ -13,7 +13,7 @@ computation or half rewritten: eligibility and the filter come from one consiste
 How the work is laid out, and why (writing Parquet costs several times what reading it does):
 - one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
   and the manifest describe the same rows;
-- the facts are narrow (no payload), and so is the catalog eligibility is decided from;
+- the facts are narrow (no payload), and so is the catalog that eligibility is decided from;
 - the offloaded ledgers' rows are classified against the duplicates and the decided
   transactions, both broadcast (no full row is shuffled), and the kept ones written;
 - the manifest (range, counts by reason, bytes, the checksum of the kept rows) is one aggregate
