@@ -6,9 +6,11 @@ import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
 from tests.rows import write_jsonl
+from pyspark.sql import functions as F
+
 from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import current_ledger_catalog
-from txn_engine.offload import AFTER_ENTRIES, AFTER_MANIFEST, offload_ledgers
+from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.offload import AFTER_ENTRIES, AFTER_MANIFEST, content_checksum, offload_ledgers
 from txn_engine.schema import LEDGER_ENTRIES, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
 
@@ -69,6 +71,32 @@ def test_eligibility_filtered_copy_and_manifest(warehouse, tmp_path):
     assert got[("t", 2)] == "CLOSED" and got[("t", 4)] == "OPEN" and got[("v", 8)] == "OPEN"
     # The hot log is untouched by an offload.
     assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
+
+
+def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(warehouse, tmp_path):
+    # The manifest is counted from the rows as they were written, not read back: check it
+    # against the tier's rows, and the "before" figures against the hot ledger's.
+    ingest(warehouse, tmp_path, HISTORY)
+    ingest(warehouse, tmp_path, COMMIT_D, "more.jsonl")
+    offload_ledgers(warehouse)
+    tier = {
+        (r.topic, r.ledger_id): (r.n, r.bytes, r.checksum)
+        for r in warehouse.read(OFFLOADED_ENTRIES).groupBy("topic", "ledger_id")
+        .agg(F.count("*").alias("n"), F.sum(entry_size_bytes()).alias("bytes"), content_checksum().alias("checksum")).collect()
+    }
+    hot = {
+        (r.topic, r.ledger_id): (r.n, r.bytes, r.first, r.last)
+        for r in warehouse.read(LEDGER_ENTRIES).groupBy("topic", "ledger_id")
+        .agg(F.count("*").alias("n"), F.sum(entry_size_bytes()).alias("bytes"), F.min("entry_id").alias("first"),
+             F.max("entry_id").alias("last")).collect()
+    }
+    manifest = manifest_rows(warehouse)
+    assert sorted(manifest) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    for key, m in manifest.items():
+        assert (m["entries_kept"], m["bytes_after"], m["checksum"]) == tier[key]
+        assert (m["entries_before"], m["bytes_before"], m["first_entry_id"], m["last_entry_id"]) == hot[key]
+        assert m["entries_before"] == m["entries_kept"] + m["dropped_markers"] + m["dropped_aborted"] + \
+            m["dropped_duplicates"] + m["dropped_other"]
 
 
 def test_ledgers_become_eligible_when_the_ongoing_transaction_commits(warehouse, tmp_path):

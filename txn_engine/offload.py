@@ -10,6 +10,16 @@ Everything is decided from `ledger_entries` itself with the buffer's own rules
 (`buffer_jobs.classify_entries`), never from the derived tables, which may be from an older
 computation or half rewritten: eligibility and the filter come from one consistent view.
 
+How the work is laid out, and why (writing Parquet costs several times what reading it does):
+- one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
+  and the manifest describe the same rows;
+- the facts are narrow (no payload), and so is the catalog that eligibility is decided from;
+- the offloaded ledgers' rows are classified against the duplicates and the decided
+  transactions, both broadcast (no full row is shuffled), and the kept ones written;
+- the manifest (range, counts by reason, bytes, the checksum of the kept rows) is one aggregate
+  over the same classification, recomputed rather than cached: re-reading the rows costs less
+  than spilling them, and the tier is not read back.
+
 Per ledger the write is three steps, and the manifest row is the commit point:
 1. the kept rows replace the ledger's rows in `offloaded_entries` (Delta replaceWhere: one commit);
 2. the ledger's manifest row replaces any earlier one in `offload_manifest`;
@@ -28,11 +38,18 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from pyspark.sql import Column, DataFrame, Row
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import TXN_KEY, classify_entries, has_txn, is_data, position_le, position_lt, stable_from_facts
-from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
+from txn_engine.ledgers import (
+    current_ledger_catalog,
+    deleted_ledgers,
+    derive_ledger_catalog,
+    entry_size_bytes,
+    record_ledger_states,
+    recorded_ledger_states,
+)
 from txn_engine.positions import Position
 from txn_engine.schema import (
     LEDGER_ENTRIES,
@@ -54,6 +71,10 @@ DROP_COLUMNS = {MARKER: "dropped_markers", ABORTED: "dropped_aborted", DUPLICATE
 AFTER_ENTRIES, AFTER_MANIFEST = "after_entries", "after_manifest"
 
 LedgerKey = tuple[str, int]  # (topic, ledger_id)
+
+# Up to this many decided transactions are broadcast to the offloaded rows (~100 bytes each in
+# the hash table: ~1.1 million at 10 million entries); beyond it Spark joins by shuffle.
+BROADCAST_TXNS_MAX = 5_000_000
 
 
 # -- pure DataFrame logic -----------------------------------------------------------------------
@@ -100,10 +121,38 @@ def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFr
     return joined.withColumn("disposition", disposition).drop("_dup", "outcome", "_ml", "_me")
 
 
+def row_hash() -> Column:
+    """A 64-bit hash of a row's ledger_entries columns; `checksum_of` sums them."""
+    return F.xxhash64(*LEDGER_ENTRY_COLUMNS)
+
+
+def checksum_of(hashes: Column) -> Column:
+    """The order-independent checksum of the rows whose `row_hash()` values these are (nulls skipped)."""
+    return F.coalesce(F.sum(hashes.cast("decimal(38,0)")), F.lit(0)).cast("decimal(38,0)").cast("string")
+
+
 def content_checksum() -> Column:
     """An order-independent checksum of rows with the ledger_entries columns (an aggregate)."""
-    row_hash = F.xxhash64(*LEDGER_ENTRY_COLUMNS).cast("decimal(38,0)")
-    return F.coalesce(F.sum(row_hash), F.lit(0)).cast("decimal(38,0)").cast("string")
+    return checksum_of(row_hash())
+
+
+def manifest_counts(classified: DataFrame) -> DataFrame:
+    """Per (topic, ledger_id): range, counts (kept and dropped by reason), bytes and the kept rows' checksum. Pure.
+
+    `classified` is `classify_for_offload` output with `_bytes` (`entry_size_bytes()`) and
+    `_hash` (`row_hash()`) columns, so no payload is read here.
+    """
+    kept = F.col("disposition") == KEPT
+    return classified.groupBy("topic", "ledger_id").agg(
+        F.min("entry_id").alias("first_entry_id"),
+        F.max("entry_id").alias("last_entry_id"),
+        F.count("*").alias("entries_before"),
+        F.count(F.when(kept, 1)).alias("entries_kept"),
+        *[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()],
+        F.sum("_bytes").cast("long").alias("bytes_before"),
+        F.coalesce(F.sum(F.when(kept, F.col("_bytes"))), F.lit(0)).cast("long").alias("bytes_after"),
+        checksum_of(F.when(kept, F.col("_hash"))).alias("checksum"),
+    )
 
 
 def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id") -> str:
@@ -163,12 +212,18 @@ def offload_ledgers(
     """
     wh = warehouse
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
-    entries = wh.read(LEDGER_ENTRIES)
+    entries = _log_as_of_now(wh)
     facts = classify_entries(entries, persist=True)
+    stable = stable_from_facts(facts).cache()
     try:
-        stable = stable_from_facts(facts).cache()
-        catalog = ledger_eligibility(current_ledger_catalog(wh), stable).collect()
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
+        # The catalog of the same snapshot of the log; only the columns eligibility needs, so
+        # Spark reads no payload for it (the manifest's bytes come from the copy).
+        catalog = (
+            ledger_eligibility(derive_ledger_catalog(entries, recorded_ledger_states(wh), deleted_ledgers(wh)), stable)
+            .select("topic", "ledger_id", "state", "eligible", "waiting_reason")
+            .collect()
+        )
         result = OffloadResult()
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
@@ -201,12 +256,18 @@ def offload_ledgers(
         if result.states_recorded:
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
         if targets:
-            by_key = {(r["topic"], r["ledger_id"]): r for r in catalog}
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), by_key, stable_at, crash_hook)
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook)
         return result
     finally:
-        for frame in facts.cached_frames():
+        for frame in [*facts.cached_frames(), stable]:
             frame.unpersist()
+
+
+def _log_as_of_now(wh: Warehouse) -> DataFrame:
+    """`ledger_entries` pinned to its current version: every job of this run reads the same rows."""
+    wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
+    version = wh.version(LEDGER_ENTRIES)
+    return wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(LEDGER_ENTRIES))
 
 
 def _copy_ledgers(
@@ -214,47 +275,30 @@ def _copy_ledgers(
     entries: DataFrame,
     facts,
     targets: list[LedgerKey],
-    catalog: dict[LedgerKey, Row],
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
 ) -> list[dict]:
     predicate = ledger_predicate(targets)
-    classified = classify_for_offload(_in_ledgers(entries, targets), facts.txns, facts.duplicates)
+    decided = facts.txns.where(F.col("outcome").isNotNull())
+    if decided.count() <= BROADCAST_TXNS_MAX:  # `txns` is cached: a cheap count
+        decided = F.broadcast(decided)
+    classified = classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
     kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
     wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
-
-    # The manifest: range, count and bytes before from the catalog; the drops by reason from the
-    # classification (narrow columns: the payload is not read again); content from the tier.
-    dropped = {
-        (r["topic"], r["ledger_id"]): r
-        for r in classified.groupBy("topic", "ledger_id")
-        .agg(*[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()])
-        .collect()
-    }
-    written = {
-        (r["topic"], r["ledger_id"]): r
-        for r in _in_ledgers(wh.read(OFFLOADED_ENTRIES), targets)
-        .groupBy("topic", "ledger_id")
-        .agg(F.count("*").alias("entries_kept"), F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
-             content_checksum().alias("checksum"))
-        .collect()
-    }
+    # The same rows again (same log version, same classification): what was written, counted.
+    with_sizes = classified.withColumn("_bytes", entry_size_bytes()).withColumn("_hash", row_hash())
+    counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(with_sizes).collect()}
     location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
     rows = []
     for key in targets:
-        ledger, drops, tier = catalog[key], dropped[key], written.get(key)
         stable = stable_at[key[0]]
         rows.append({
-            "topic": key[0], "ledger_id": key[1],
-            "first_entry_id": ledger["first_entry_id"], "last_entry_id": ledger["last_entry_id"],
-            "entries_before": ledger["entry_count"], "entries_kept": tier["entries_kept"] if tier else 0,
-            **{c: drops[c] for c in DROP_COLUMNS.values()},
-            "bytes_before": ledger["size_bytes"], "bytes_after": tier["bytes_after"] if tier else 0,
+            **counts[key],
             "max_read_ledger_id": stable.ledger_id, "max_read_entry_id": stable.entry_id,
-            "checksum": tier["checksum"] if tier else "0", "tier_location": location, "offloaded_at": now,
+            "tier_location": location, "offloaded_at": now,
         })
     manifest = wh.spark.createDataFrame([tuple(r[f.name] for f in OFFLOAD_MANIFEST_SCHEMA.fields) for r in rows],
                                         OFFLOAD_MANIFEST_SCHEMA)
