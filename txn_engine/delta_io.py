@@ -4,10 +4,17 @@ Creating a Spark DataFrame from Python rows costs ~0.5-1 s per commit; an Arrow 
 delta-rs costs ~10 ms, which is what makes group commit pay. Both write the same Delta protocol
 (reader 1 / writer 2), so Spark reads what the engine appends and the engine appends to tables
 Spark created; every append still holds the table's txnlake writer lock (`Warehouse.writer`).
+
+Appends go through handles of their own that are never reloaded: delta-rs moves a handle to the
+version it committed, and when another writer committed in between (under the same per-table
+lock, before ours) the commit finds that version taken, reads the newer commits and retries
+(appends do not conflict). Reloading the log before every append cost as much as the append.
+Reads use other handles, refreshed on every read, so they see every writer's commits.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Iterable, Sequence
 
 import pyarrow as pa
@@ -52,22 +59,29 @@ class DeltaTables:
 
     def __init__(self, warehouse: Warehouse):
         self.warehouse = warehouse
-        self._handles: dict[str, DeltaTable] = {}
+        self._handles: dict[str, DeltaTable] = {}  # reads: refreshed before each use
+        self._writers: dict[str, DeltaTable] = {}  # appends: moved forward by their own commits
+        self._read_lock = threading.Lock()  # a handle is not safe to refresh from two threads at once
 
     def exists(self, table: str) -> bool:
         return self._handle(table) is not None
 
     def _handle(self, table: str) -> DeltaTable | None:
-        handle = self._handles.get(table)
-        if handle is None:
-            try:
-                handle = DeltaTable(self.warehouse.path(table))
-            except TableNotFoundError:
-                return None
-            self._handles[table] = handle
-        else:
-            handle.update_incremental()
-        return handle
+        with self._read_lock:
+            handle = self._handles.get(table)
+            if handle is None:
+                handle = self._open(table)
+                if handle is not None:
+                    self._handles[table] = handle
+            else:
+                handle.update_incremental()
+            return handle
+
+    def _open(self, table: str) -> DeltaTable | None:
+        try:
+            return DeltaTable(self.warehouse.path(table))
+        except TableNotFoundError:
+            return None
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
         """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""
@@ -109,9 +123,13 @@ class DeltaTables:
         return data.num_rows
 
     def _write(self, table: str, data: pa.Table) -> None:
-        handle = self._handle(table)
+        handle = self._writers.get(table) or self._open(table)
         try:
-            write_deltalake(handle if handle is not None else self.warehouse.path(table), data, mode="append")
+            if handle is None:  # the first append creates the table
+                write_deltalake(self.warehouse.path(table), data, mode="append")
+            else:
+                write_deltalake(handle, data, mode="append")
+                self._writers[table] = handle
         except CommitFailedError:
-            self._handles.pop(table, None)  # re-read the log, then let the retry happen
+            self._writers.pop(table, None)  # re-read the log, then let the retry happen
             raise

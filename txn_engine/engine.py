@@ -20,7 +20,7 @@ from typing import Callable
 from txn_engine.consumer import Consumer
 from txn_engine.coordinator import TransactionCoordinator
 from txn_engine.delta_io import DeltaTables
-from txn_engine.ledger_writer import LedgerWriter, PendingEntry, RolloverPolicy, WriteRequest
+from txn_engine.ledger_writer import LedgerWriter, PendingEntries, RolloverPolicy, WriteRequest
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.producer import IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_topic, _payload
 from txn_engine.transaction_buffer import EntryType, TxnId
@@ -99,21 +99,21 @@ class Engine:
     def send(self, topic: str, value: bytes | str, key: str | None = None) -> SendFuture:
         """A plain non-transactional, non-idempotent send."""
         _check_topic(topic)
-        entry = PendingEntry(topic, EntryType.DATA.value, key=key, payload=_payload(value))
-        return SendFuture(self.writer.submit(WriteRequest(entries=[entry])))
+        entries = PendingEntries(EntryType.DATA.value)
+        entries.add(topic, key=key, payload=_payload(value))
+        return SendFuture(self.writer.submit(WriteRequest(entries=entries)))
 
     def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, batch, flush,
                        txn: TxnId | None = None) -> SendFuture:
         """The de-duplicating send path, into the producer's batch; call under `coordinator.lock`."""
-        seq = self.sequences.next_sequence(producer_id, topic) if sequence is None else int(sequence)
-        original = self.sequences.check(producer_id, topic, seq)
-        if original is not None:
-            return original  # a retry: acknowledged with its original position
-        entry = PendingEntry(
-            topic, EntryType.DATA.value, None if txn is None else txn.most_bits, None if txn is None else txn.least_bits,
-            producer_id, epoch, seq, key, payload,
-        )
-        future, index = batch.add(entry)
+        if sequence is None:
+            seq = self.sequences.next_sequence(producer_id, topic)
+        else:
+            seq = int(sequence)
+            original = self.sequences.check(producer_id, topic, seq)
+            if original is not None:
+                return original  # a retry: acknowledged with its original position
+        future, index = batch.add(txn, producer_id, epoch, topic, seq, key, payload)
         send = SendFuture(future, index, seq, flush)
         self.sequences.record(producer_id, topic, seq, send)
         if batch.full:
