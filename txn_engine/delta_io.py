@@ -15,6 +15,8 @@ Reads use other handles, refreshed on every read, so they see every writer's com
 from __future__ import annotations
 
 import threading
+import time
+from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
 import pyarrow as pa
@@ -62,6 +64,8 @@ class DeltaTables:
         self._handles: dict[str, DeltaTable] = {}  # reads: refreshed before each use
         self._writers: dict[str, DeltaTable] = {}  # appends: moved forward by their own commits
         self._read_lock = threading.Lock()  # a handle is not safe to refresh from two threads at once
+        # Per table: [commits, seconds, rows] of the appends (lock wait included), for the benchmark.
+        self.append_stats: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
 
     def exists(self, table: str) -> bool:
         return self._handle(table) is not None
@@ -118,8 +122,13 @@ class DeltaTables:
         data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows), schema=arrow_schema(schema))
         if data.num_rows == 0:
             return 0
+        started = time.perf_counter()
         with self.warehouse.writer(table):
             retry_delta_conflicts(lambda: self._write(table, data))
+        stats = self.append_stats[table]
+        stats[0] += 1
+        stats[1] += time.perf_counter() - started
+        stats[2] += data.num_rows
         return data.num_rows
 
     def _write(self, table: str, data: pa.Table) -> None:
