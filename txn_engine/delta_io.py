@@ -9,6 +9,10 @@ Appends go through handles of their own that are never reloaded: delta-rs moves 
 version it committed, and when another writer committed in between (under the same per-table
 lock, before ours) the commit finds that version taken, reads the newer commits and retries
 (appends do not conflict). Reloading the log before every append cost as much as the append.
+But a handle that only moves forward by its own commits gets slower with each one (measured with
+delta-rs 1.6: 4 ms a commit at first, 30 ms 400 commits later, as when it is refreshed in place),
+so an append handle is replaced by a fresh one, loaded from the checkpoint, each time a commit
+crosses a checkpoint (delta-rs writes one every `delta.checkpointInterval` versions).
 Reads use other handles, refreshed on every read, so they see every writer's commits.
 """
 
@@ -54,6 +58,9 @@ def arrow_field(field: T.StructField) -> pa.Field:
 def arrow_schema(schema: T.StructType) -> pa.Schema:
     """The Arrow schema of a table contract schema (schema.py stays the one definition)."""
     return pa.schema([arrow_field(f) for f in schema.fields])
+
+
+DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
 
 
 class DeltaTables:
@@ -136,9 +143,14 @@ class DeltaTables:
         try:
             if handle is None:  # the first append creates the table
                 write_deltalake(self.warehouse.path(table), data, mode="append")
-            else:
-                write_deltalake(handle, data, mode="append")
-                self._writers[table] = handle
+                return
+            before = handle.version()
+            write_deltalake(handle, data, mode="append")
         except CommitFailedError:
             self._writers.pop(table, None)  # re-read the log, then let the retry happen
             raise
+        interval = int(handle.metadata().configuration.get("delta.checkpointInterval") or DEFAULT_CHECKPOINT_INTERVAL)
+        if handle.version() // interval > before // interval:
+            self._writers.pop(table, None)  # a checkpoint was written: start from it next time
+        else:
+            self._writers[table] = handle
