@@ -12,7 +12,10 @@ lock, before ours) the commit finds that version taken, reads the newer commits 
 But a handle that only moves forward by its own commits gets slower with each one (measured with
 delta-rs 1.6: 4 ms a commit at first, 30 ms 400 commits later, as when it is refreshed in place),
 so an append handle is replaced by a fresh one, loaded from the checkpoint, each time a commit
-crosses a checkpoint (delta-rs writes one every `delta.checkpointInterval` versions).
+crosses a checkpoint (delta-rs writes one every `delta.checkpointInterval` versions). And the
+expired-log cleanup, which delta-rs runs after every commit by default (listing the whole
+`_delta_log`: 10 ms -> 30-50 ms a commit at 1,500 versions), runs only with the checkpoints,
+as Spark's Delta does.
 Reads use other handles, refreshed on every read, so they see every writer's commits.
 """
 
@@ -26,6 +29,7 @@ from typing import Any, Iterable, Sequence
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
+from deltalake.transaction import PostCommitHookProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from pyspark.sql import types as T
 
@@ -145,11 +149,13 @@ class DeltaTables:
                 write_deltalake(self.warehouse.path(table), data, mode="append")
                 return
             before = handle.version()
-            write_deltalake(handle, data, mode="append")
+            interval = int(handle.metadata().configuration.get("delta.checkpointInterval") or DEFAULT_CHECKPOINT_INTERVAL)
+            checkpoint = (before + 1) % interval == 0
+            hooks = PostCommitHookProperties(create_checkpoint=True, cleanup_expired_logs=None if checkpoint else False)
+            write_deltalake(handle, data, mode="append", post_commithook_properties=hooks)
         except CommitFailedError:
             self._writers.pop(table, None)  # re-read the log, then let the retry happen
             raise
-        interval = int(handle.metadata().configuration.get("delta.checkpointInterval") or DEFAULT_CHECKPOINT_INTERVAL)
         if handle.version() // interval > before // interval:
             self._writers.pop(table, None)  # a checkpoint was written: start from it next time
         else:
