@@ -7,6 +7,10 @@ Three modes, side by side in one run on one warehouse:
 - `non-transactional`: the same producers sending idempotently, no transactions.
 Commit latency is from the commit call to COMPLETE durable. Targets: >= 50,000 messages/s and
 p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,000).
+
+Where the time goes: for each mode, the Delta commits per table (count, ms each, rows each) and
+the share of the mode's wall time the committer spent in them, and the load average (the machine
+is shared: figures are only comparable at similar load).
 """
 
 from __future__ import annotations
@@ -32,6 +36,25 @@ def _percentile(values: list[float], q: float) -> float:
         return float("nan")
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _commit_stats(engine: Engine) -> dict[str, tuple[int, float, int]]:
+    return {table: tuple(stats) for table, stats in engine.tables.append_stats.items()}
+
+
+def _measured(engine: Engine, run) -> dict:
+    """Run one mode; its figures plus the Delta commits it caused and the load average after it."""
+    before, rounds = _commit_stats(engine), engine.writer.rounds
+    result = run()
+    after = _commit_stats(engine)
+    result["group_commits"] = engine.writer.rounds - rounds
+    result["delta_commits"] = {
+        table: (c - before.get(table, (0, 0.0, 0))[0], s - before.get(table, (0, 0.0, 0))[1], r - before.get(table, (0, 0.0, 0))[2])
+        for table, (c, s, r) in after.items()
+        if c > before.get(table, (0, 0.0, 0))[0]
+    }
+    result["load_average"] = os.getloadavg()[0]
+    return result
 
 
 def _run_threads(target, count: int) -> float:
@@ -72,7 +95,6 @@ def _transactional(engine: Engine, txns_per_producer: int, in_flight: int, tag: 
         with lock:
             latencies.extend(local)
 
-    rounds = engine.writer.rounds
     seconds = _run_threads(producer, PRODUCERS)
     txns = PRODUCERS * txns_per_producer
     return {
@@ -81,7 +103,7 @@ def _transactional(engine: Engine, txns_per_producer: int, in_flight: int, tag: 
         "txns_per_s": txns / seconds,
         "commit_p50_s": _percentile(latencies, 0.50),
         "commit_p99_s": _percentile(latencies, 0.99),
-        "group_commits": engine.writer.rounds - rounds,
+        "commit_mean_s": sum(latencies) / max(1, len(latencies)),
     }
 
 
@@ -96,13 +118,8 @@ def _non_transactional(engine: Engine, messages_per_producer: int, in_flight: in
         for future in pending:
             future.result()
 
-    rounds = engine.writer.rounds
     seconds = _run_threads(producer, PRODUCERS)
-    return {
-        "seconds": seconds,
-        "messages_per_s": PRODUCERS * messages_per_producer / seconds,
-        "group_commits": engine.writer.rounds - rounds,
-    }
+    return {"seconds": seconds, "messages_per_s": PRODUCERS * messages_per_producer / seconds}
 
 
 def run_benchmark(workdir: Path) -> dict:
@@ -115,15 +132,27 @@ def run_benchmark(workdir: Path) -> dict:
           f"{len(PAYLOAD)}-byte payloads, durable in Delta", flush=True)
     results = {}
     with Engine(warehouse) as engine:
-        results["txn_blocking"] = _transactional(engine, blocking_txns, 1, "blocking")
-        results["txn_pipelined"] = _transactional(engine, txns_per_producer, in_flight, "pipelined")
-        results["non_transactional"] = _non_transactional(engine, txns_per_producer * MESSAGES_PER_TXN, in_flight)
+        results["txn_blocking"] = _measured(engine, lambda: _transactional(engine, blocking_txns, 1, "blocking"))
+        results["txn_pipelined"] = _measured(engine, lambda: _transactional(engine, txns_per_producer, in_flight, "pipelined"))
+        results["non_transactional"] = _measured(
+            engine, lambda: _non_transactional(engine, txns_per_producer * MESSAGES_PER_TXN, in_flight)
+        )
     for name, r in results.items():
         line = f"  {name:<18} {r['messages_per_s']:>10,.0f} msg/s"
         if "txns_per_s" in r:
             line += f"  {r['txns_per_s']:>8,.0f} txn/s  commit p50 {r['commit_p50_s']:.3f} s  p99 {r['commit_p99_s']:.3f} s"
-        line += f"  ({r['group_commits']} group commits, {r['seconds']:.1f} s)"
+        line += f"  ({r['group_commits']} group commits, {r['seconds']:.1f} s, load {r['load_average']:.1f})"
         print(line, flush=True)
+        in_commits = sum(seconds for _, seconds, _ in r["delta_commits"].values())
+        detail = ", ".join(
+            f"{table} {count} x {1000 * seconds / count:.1f} ms ({rows / count:,.0f} rows)"
+            for table, (count, seconds, rows) in r["delta_commits"].items()
+        )
+        print(f"      Delta commits: {detail}; {in_commits / r['seconds']:.0%} of the wall time", flush=True)
+    window = PRODUCERS * in_flight
+    mean = results["txn_pipelined"]["commit_mean_s"]
+    print(f"  txn_pipelined window: {window} transactions in flight / mean commit latency {mean:.3f} s "
+          f"= at most {window / mean * MESSAGES_PER_TXN:,.0f} msg/s (Little's law)", flush=True)
     base = results["non_transactional"]["messages_per_s"]
     for name in ("txn_blocking", "txn_pipelined"):
         print(f"  {name} / non_transactional: {results[name]['messages_per_s'] / base:.2f}x", flush=True)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import pyarrow.compute as pc
 
 from txn_engine.delta_io import DeltaTables
-from txn_engine.ledger_writer import LedgerWriter, PendingEntry, WriteRequest
+from txn_engine.ledger_writer import LedgerWriter, PendingEntries, WriteRequest
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
@@ -156,7 +156,7 @@ class TransactionCoordinator:
             marker = MARKER_OF[t.state]
             have = self.topics_with_marker(t.txn)
             request = WriteRequest(
-                entries=[self._marker(t, topic, marker) for topic in t.topics if topic not in have],
+                entries=self._markers(t, [topic for topic in t.topics if topic not in have], marker),
                 offsets=[] if marker == EntryType.ABORT or self._offsets_landed(t.txn) else self._offset_rows(t),
                 after=[self._row(t, COMPLETE[marker], "recovery", f"finished after restart ({t.state})")],
             )
@@ -305,7 +305,7 @@ class TransactionCoordinator:
         commit = outcome == EntryType.COMMIT
         request = WriteRequest(
             before=[self._row(t, prepare, actor, reason, with_offsets=commit)],
-            entries=[self._marker(t, topic, outcome) for topic in t.topics],
+            entries=self._markers(t, t.topics, outcome),
             offsets=self._offset_rows(t) if commit else [],
             after=[self._row(t, COMPLETE[outcome], actor, reason)],
             on_durable=completed,
@@ -336,10 +336,14 @@ class TransactionCoordinator:
 
     # -- rows ------------------------------------------------------------------------------------
 
-    def _marker(self, t: Transaction, topic: str, outcome: EntryType) -> PendingEntry:
+    def _markers(self, t: Transaction, topics, outcome: EntryType) -> PendingEntries:
+        """The `outcome` marker of `t` on each of `topics`."""
         epoch = t.producer_epoch if t.producer_epoch >= 0 else None
         pid = t.producer_id if t.producer_id >= 0 else None
-        return PendingEntry(topic, outcome.value, t.txn.most_bits, t.txn.least_bits, pid, epoch)
+        markers = PendingEntries(outcome.value, t.txn.most_bits, t.txn.least_bits, pid, epoch)
+        for topic in topics:
+            markers.add(topic)
+        return markers
 
     def _offset_rows(self, t: Transaction) -> list[dict[str, Any]]:
         now = self.clock()

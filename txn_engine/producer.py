@@ -9,7 +9,6 @@ once) or leaves a gap (refused, nothing written).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Mapping
@@ -18,7 +17,7 @@ import pyarrow.compute as pc
 
 from txn_engine.coordinator import ProducerIdentity
 from txn_engine.delta_io import DeltaTables
-from txn_engine.ledger_writer import PendingEntry, WriteRequest
+from txn_engine.ledger_writer import PendingEntries, WriteRequest
 from txn_engine.positions import Position
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
 from txn_engine.transaction_buffer import EntryType, TxnId
@@ -37,6 +36,8 @@ class SendFuture:
     """The acknowledgement of one send: `result()` is its position once durable in Delta.
 
     Waiting on it first queues its producer's batch if that is still held back."""
+
+    __slots__ = ("_batch", "_index", "sequence", "_flush")
 
     def __init__(self, batch: Future, index: int = 0, sequence: int | None = None, flush=None):
         self._batch = batch
@@ -60,16 +61,20 @@ class SendFuture:
 
 class SendAccumulator:
     """A producer's sends not yet queued (Kafka's RecordAccumulator): one write request per batch,
-    so a transaction's messages cost one request and one future, not one each."""
+    so a transaction's messages cost one request and one future, not one each. A batch belongs to
+    one transaction (or none), producer and epoch: the producer queues it before it ends one."""
 
     def __init__(self) -> None:
         self.request: WriteRequest | None = None
 
-    def add(self, entry: PendingEntry) -> tuple[Future, int]:
-        if self.request is None:
-            self.request = WriteRequest()
-        self.request.entries.append(entry)
-        return self.request.future, len(self.request.entries) - 1
+    def add(self, txn: TxnId | None, producer_id: int, epoch: int, topic: str, sequence: int,
+            key: str | None, payload: bytes) -> tuple[Future, int]:
+        request = self.request
+        if request is None:
+            entries = PendingEntries(EntryType.DATA.value, None if txn is None else txn.most_bits,
+                                     None if txn is None else txn.least_bits, producer_id, epoch)
+            request = self.request = WriteRequest(entries=entries)
+        return request.future, request.entries.add(topic, sequence, key, payload)
 
     @property
     def full(self) -> bool:
@@ -86,7 +91,8 @@ class ProducerStateManager:
     def __init__(self, tables: DeltaTables):
         self.tables = tables
         self._last: dict[tuple[int, str], int] = {}
-        self._recent: dict[tuple[int, str], OrderedDict[int, SendFuture]] = {}
+        # The last RECENT_SENDS_KEPT sends of each (producer, topic): sequences there are consecutive.
+        self._recent: dict[tuple[int, str], dict[int, SendFuture]] = {}
         stored = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["producer_id", "topic", "sequence_id"])
         stored = stored.filter(pc.is_valid(stored["sequence_id"]))
         if stored.num_rows:
@@ -136,11 +142,13 @@ class ProducerStateManager:
         return SendFuture(future, 0, sequence)
 
     def record(self, producer_id: int, topic: str, sequence: int, future: SendFuture) -> None:
-        self._last[(producer_id, topic)] = sequence
-        recent = self._recent.setdefault((producer_id, topic), OrderedDict())
+        key = (producer_id, topic)
+        self._last[key] = sequence
+        recent = self._recent.get(key)
+        if recent is None:
+            recent = self._recent[key] = {}
         recent[sequence] = future
-        if len(recent) > RECENT_SENDS_KEPT:
-            recent.popitem(last=False)
+        recent.pop(sequence - RECENT_SENDS_KEPT, None)
 
 
 def _payload(value: bytes | str) -> bytes:
@@ -262,7 +270,7 @@ class TransactionalProducer:
             try:
                 identity = self._identity()
                 txn = self._open_txn()
-                topics = dict.fromkeys(e.topic for e in request.entries)
+                topics = dict.fromkeys(request.entries.topics)
                 request.before = coordinator.add_topics(identity, txn, topics)  # durable before the data
                 self.engine.writer.submit(request)
             except BaseException as exc:
