@@ -274,6 +274,11 @@ def _log_topics(log: DeltaTable) -> set[str]:
     return topics
 
 
+def files_from_ledger(log: DeltaTable, lowest: int) -> ds.Dataset:
+    """The log's files that may hold ledgers >= `lowest` (by their Delta min/max statistics)."""
+    return log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id >= {lowest}")
+
+
 def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLimits) -> pa.Table | None:
     """The entries after each usable snapshot's max read position (narrow columns, sorted by
     topic and position), or None when they exceed `limits`. Ledger ids increase with creation time
@@ -281,7 +286,7 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     skip every older file (as `snapshot_jobs.entries_after_snapshots` does on Spark)."""
     columns = list(NARROW_COLUMNS)
     lowest = min(s.max_read.ledger_id for s in usable.values())
-    dataset = log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id >= {lowest}")
+    dataset = files_from_ledger(log, lowest)
     if dataset.count_rows() > limits.max_scanned_entries:
         return None
     topics = sorted(usable)
