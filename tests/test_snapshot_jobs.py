@@ -307,7 +307,7 @@ def test_random_histories_recover_on_spark(warehouse, spark, histories_ops):
     rows, offset = [], 0
     for h in histories:
         rows += [replace(r, write_seq=r.write_seq + offset) for r in h.log.rows]
-        offset += len(h.log.rows)
+        offset += h.log.last_write_seq
     warehouse.overwrite(TXN_SNAPSHOT_SEGMENTS, spark.createDataFrame(segment_rows(rows), TXN_SNAPSHOT_SEGMENTS_SCHEMA))
     store_log(warehouse, entries, {h.topic: h.deleted for h in histories})
     assert_all_recover(warehouse, entries)
