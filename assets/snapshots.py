@@ -51,11 +51,11 @@ from txn_engine.snapshot_jobs import (
     compact_segments,
     full_replay_states,
     read_segments,
-    recover_from_warehouse,
     recovery_mismatches,
     snapshot_states,
     write_snapshots,
 )
+from txn_engine.snapshot_recovery import recover_to_warehouse
 from txn_engine.snapshots import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
 
 GROUP = "snapshots"
@@ -130,7 +130,7 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
        "position (source SNAPSHOT), or by a full replay when it has no usable snapshot (source FULL_REPLAY).")
 def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
     wh = warehouse.open(spark.session())
-    wh.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(wh))
+    recovery = recover_to_warehouse(wh)  # in the driver, as a broker recovers (docs/snapshots.md)
     stored = wh.read(RECOVERED_BUFFER_STATE)
     summary = stored.groupBy("source").agg(F.count("*").alias("topics"), F.sum("replayed_entries").alias("replayed"))
     by_source = {r.source: {"topics": r.topics, "replayed_entries": int(r.replayed or 0)} for r in summary.collect()}
@@ -138,6 +138,7 @@ def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -
     return MaterializeResult(metadata=table_metadata(
         wh, RECOVERED_BUFFER_STATE, stored.count(),
         by_source=MetadataValue.json(by_source), full_replay_reasons=MetadataValue.json(reasons),
+        recovery_path=recovery.path, recovery_seconds=MetadataValue.json(recovery.seconds),
     ))
 
 

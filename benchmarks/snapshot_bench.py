@@ -82,6 +82,7 @@ def run(aborts: int, workdir: Path) -> dict:
         recovery_mismatches,
         write_snapshots,
     )
+    from txn_engine.snapshot_recovery import recover_to_warehouse
     from txn_engine.warehouse import Warehouse
 
     print(f"== snapshot benchmark: {aborts:,} aborted transactions over {TOPICS} topics, workdir {workdir}")
@@ -103,9 +104,12 @@ def run(aborts: int, workdir: Path) -> dict:
         wh.append(LEDGER_ENTRIES, as_ingested(log_frame(spark, aborts, tail), 2 * tail))
 
     with timed("recovery: snapshot + replay (write recovered_buffer_state)") as t_recover:
-        wh.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(wh))
+        recovery = recover_to_warehouse(wh)
     with timed("full replay of ledger_entries (write full_replay)") as t_full:
         wh.overwrite("full_replay", full_replay_states(wh.read(LEDGER_ENTRIES)))
+    # The same recovery planned as Spark jobs (what a tail beyond DriverLimits runs), for comparison.
+    with timed("recovery on Spark (write recovered_on_spark)") as t_spark:
+        wh.overwrite("recovered_on_spark", recover_from_warehouse(wh))
     jvm_peak = jvm_peak_rss_mib(spark)
     # The files the replay after the snapshots plans to read (after data skipping), of all.
     bounds = live_snapshots(read_segments(wh)).where(F.col("fallback_reason").isNull()).select(
@@ -114,6 +118,7 @@ def run(aborts: int, workdir: Path) -> dict:
     lowest = bounds.agg(F.min("_sl")).first()[0]
     files_replayed = len(entries_after_snapshots(entries, bounds, lowest).inputFiles())
     mismatches = recovery_mismatches(wh.read(RECOVERED_BUFFER_STATE), wh.read("full_replay")).count()
+    spark_mismatches = recovery_mismatches(wh.read("recovered_on_spark"), wh.read("full_replay")).count()
     sources = {r.source: r["count"] for r in wh.read(RECOVERED_BUFFER_STATE).groupBy("source").count().collect()}
     replayed = wh.read(RECOVERED_BUFFER_STATE).agg({"replayed_entries": "sum"}).first()[0]
     result = {
@@ -123,13 +128,18 @@ def run(aborts: int, workdir: Path) -> dict:
         "segments": segments,
         "segments_per_topic": summary.segments_per_topic,
         "recovery_s": t_recover.seconds,
+        "recovery_path": recovery.path,
+        "recovery_steps_s": recovery.seconds,
         "full_replay_s": t_full.seconds,
         "full_replay_vs_recovery": t_full.seconds / t_recover.seconds,
+        "recovery_on_spark_s": t_spark.seconds,
+        "full_replay_vs_spark_recovery": t_full.seconds / t_spark.seconds,
         "replayed_entries": replayed,
         "ledger_entries_files": len(entries.inputFiles()),
         "files_read_by_replay": files_replayed,
         "sources": sources,
         "recovery_equals_full_replay": mismatches == 0,
+        "spark_recovery_equals_full_replay": spark_mismatches == 0,
         "jvm_peak_rss_mib": jvm_peak,
         "python_peak_rss_mib": python_peak_rss_mib(),
     }

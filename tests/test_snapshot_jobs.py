@@ -21,6 +21,7 @@ from txn_engine.schema import (
     LEDGER_ENTRIES,
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
+    RECOVERED_BUFFER_STATE,
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
@@ -35,6 +36,7 @@ from txn_engine.snapshot_jobs import (
     recovery_mismatches,
     write_snapshots,
 )
+from txn_engine.snapshot_recovery import DriverLimits, recover_to_warehouse
 from txn_engine.snapshots import (
     Crash,
     SnapshotConfig,
@@ -75,8 +77,14 @@ def store_log(warehouse, entries: list[LogEntry], deleted: dict[str, set[int]] |
     record_ledger_states(warehouse, transitions)
 
 
-def recovered_by_topic(warehouse) -> dict[str, dict]:
-    return {r.topic: r.asDict(recursive=True) for r in recover_from_warehouse(warehouse).collect()}
+def recovered_by_topic(warehouse, limits: DriverLimits = DriverLimits(), path: str = "driver") -> dict[str, dict]:
+    """Recovery as the asset runs it (written to recovered_buffer_state), row for row the Spark path's."""
+    assert recover_to_warehouse(warehouse, limits).path == path
+    written = {r.topic: r.asDict(recursive=True) for r in warehouse.read(RECOVERED_BUFFER_STATE).collect()}
+    on_spark = {r.topic: r.asDict(recursive=True) for r in recover_from_warehouse(warehouse).collect()}
+    differing = {t: (written.get(t), on_spark.get(t)) for t in set(written) | set(on_spark) if written.get(t) != on_spark.get(t)}
+    assert not differing, differing
+    return written
 
 
 def truth(entries: list[LogEntry], topic: str) -> tuple[Position, list[tuple]]:
@@ -105,8 +113,8 @@ def assert_reference_recovers(warehouse, entries, topic: str) -> None:
                                           for t, p in recovered.aborts]) == truth(entries, topic)
 
 
-def assert_all_recover(warehouse, entries, expect_source: dict[str, str] | None = None) -> dict[str, dict]:
-    recovered = recovered_by_topic(warehouse)
+def assert_all_recover(warehouse, entries, expect_source: dict[str, str] | None = None, **how) -> dict[str, dict]:
+    recovered = recovered_by_topic(warehouse, **how)
     topics = {e.topic for e in entries}
     assert set(recovered) == topics
     for topic in topics:
@@ -244,6 +252,18 @@ def test_racing_writers_on_one_topic(warehouse):
     assert_all_recover(warehouse, entries, expect_source={"t": "SNAPSHOT"})
 
 
+def test_a_tail_beyond_the_driver_limits_recovers_on_spark(warehouse):
+    entries = aborted_history("t", 8) + aborted_history("u", 2, first_ledger=200)
+    store_log(warehouse, entries)
+    snapshot(warehouse, entries[:6] + entries[16:], ["t", "u"])  # t: 5 aborts after its snapshot
+    expected = {"t": "SNAPSHOT", "u": "SNAPSHOT"}
+    for limits in (DriverLimits(max_replayed_entries=9), DriverLimits(max_scanned_entries=10)):
+        recovered = assert_all_recover(warehouse, entries, expected, limits=limits, path="spark")
+        assert recovered["t"]["replayed_entries"] == 10
+    assert_all_recover(warehouse, entries, expected, limits=DriverLimits(max_replayed_entries=10,
+                                                                          max_scanned_entries=20))
+
+
 def test_bad_segment_rows_fall_back_to_full_replay(warehouse, spark):
     topics = ["unreadable", "wrong", "no_end", "fine"]
     entries = [e for i, t in enumerate(topics) for e in aborted_history(t, 5, first_ledger=100 * (i + 1))]
@@ -287,7 +307,7 @@ def test_random_histories_recover_on_spark(warehouse, spark, histories_ops):
     rows, offset = [], 0
     for h in histories:
         rows += [replace(r, write_seq=r.write_seq + offset) for r in h.log.rows]
-        offset += len(h.log.rows)
+        offset += h.log.last_write_seq
     warehouse.overwrite(TXN_SNAPSHOT_SEGMENTS, spark.createDataFrame(segment_rows(rows), TXN_SNAPSHOT_SEGMENTS_SCHEMA))
     store_log(warehouse, entries, {h.topic: h.deleted for h in histories})
     assert_all_recover(warehouse, entries)

@@ -4,6 +4,10 @@ replay (ledger ids BookKeeper-style: unique across topics, increasing in creatio
 
 from __future__ import annotations
 
+from pathlib import Path
+from urllib.parse import urlparse
+
+from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from tests.test_buffer_jobs import frame
@@ -11,6 +15,7 @@ from tests.test_snapshot_jobs import assert_all_recover, snapshot
 from txn_engine.ledgers import record_ledger_states
 from txn_engine.schema import LEDGER_ENTRIES
 from txn_engine.snapshot_jobs import entries_after_snapshots, entries_without_snapshot
+from txn_engine.snapshot_recovery import files_from_ledger
 from txn_engine.transaction_buffer import LogEntry
 
 LEDGER_SIZE = 4
@@ -71,3 +76,7 @@ def test_recovery_reads_only_the_files_after_the_snapshots(warehouse, spark):
     assert set(entries_without_snapshot(entries, ["a", "b"]).inputFiles()) == {
         r.f for r in by_file if "never" in r.topics}
     assert after.count() == sum(recovered[t]["replayed_entries"] for t in ("a", "b"))
+    # The driver path (the asset's) prunes the same files through delta-rs.
+    pruned = files_from_ledger(DeltaTable(warehouse.path(LEDGER_ENTRIES)), 106)
+    assert {Path(f.path).name for f in pruned.get_fragments()} == {
+        Path(urlparse(r.f).path).name for r in by_file if r.hi >= 106}

@@ -11,7 +11,9 @@ The same design as the reference `txn_engine.snapshots` (the oracle; docs/snapsh
   (`live_snapshots`), its aborts minus those of DELETED ledgers, plus a replay of the entries after
   its max read position through the buffer jobs (`buffer_jobs.classify_entries`), with the
   snapshot's state carried in (see `_replay_input`). Topics without a usable snapshot are replayed
-  in full, in the same Spark job.
+  in full, in the same Spark job. The asset recovers in the driver instead
+  (`txn_engine.snapshot_recovery`, the same rules without Spark jobs); this Spark plan is what it
+  falls back to for a large tail, and what the tests hold it equal to.
 - `snapshot_states` evaluates the triggers and the per-topic state (NO_SNAPSHOT / INITIALIZING /
   READY) for `txn_snapshot_state`.
 """

@@ -170,9 +170,13 @@ class SnapshotLog:
     """The segments table of the reference: rows in write order, write_seq increasing."""
 
     rows: list[SnapshotSegment] = field(default_factory=list)
+    last_write_seq: int = 0
 
     def append(self, segment: SnapshotSegment) -> SnapshotSegment:
-        written = replace(segment, write_seq=len(self.rows) + 1)
+        # After every row ever written, even those compaction dropped: a write_seq is never reused
+        # (two rows of one key with one write_seq would make "the latest" a tie).
+        self.last_write_seq = max(self.last_write_seq, *(r.write_seq for r in self.rows), 0) + 1
+        written = replace(segment, write_seq=self.last_write_seq)
         self.rows.append(written)
         return written
 
