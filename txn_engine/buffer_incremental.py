@@ -257,7 +257,7 @@ def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable
         .collect()
     }
     now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in inventory.collect()}
-    changed = {ledger for key, ledger in ((k, k[1]) for k in now) if known.get(key) != now[key]}
+    changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
     gone = [key for key in known if key not in now]
     deleted = {ledger for _, ledger in gone}
     topics = {topic for topic, _ in gone}

@@ -87,6 +87,8 @@ def deleted_ledgers(warehouse: Warehouse) -> DataFrame:
     return warehouse.read_or_empty(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA)
 
 
-def current_ledger_catalog(warehouse: Warehouse) -> DataFrame:
-    """The catalog as of now: ledger_entries, the recorded states and the deleted ledgers."""
-    return derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES), recorded_ledger_states(warehouse), deleted_ledgers(warehouse))
+def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None) -> DataFrame:
+    """The catalog as of now: ledger_entries (or `entries`, e.g. one pinned version of it), the
+    recorded states and the deleted ledgers."""
+    log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
+    return derive_ledger_catalog(log, recorded_ledger_states(warehouse), deleted_ledgers(warehouse))

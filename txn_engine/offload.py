@@ -42,14 +42,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import TXN_KEY, classify_entries, has_txn, is_data, position_le, position_lt, stable_from_facts
-from txn_engine.ledgers import (
-    current_ledger_catalog,
-    deleted_ledgers,
-    derive_ledger_catalog,
-    entry_size_bytes,
-    record_ledger_states,
-    recorded_ledger_states,
-)
+from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
     LEDGER_ENTRIES,
@@ -220,7 +213,7 @@ def offload_ledgers(
         # The catalog of the same snapshot of the log; only the columns eligibility needs, so
         # Spark reads no payload for it (the manifest's bytes come from the copy).
         catalog = (
-            ledger_eligibility(derive_ledger_catalog(entries, recorded_ledger_states(wh), deleted_ledgers(wh)), stable)
+            ledger_eligibility(current_ledger_catalog(wh, entries), stable)
             .select("topic", "ledger_id", "state", "eligible", "waiting_reason")
             .collect()
         )

@@ -324,7 +324,8 @@ def _spark_full_replays(warehouse: Warehouse, topics: list[str]) -> list[dict]:
     entries = warehouse.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics))
     counts = entries.groupBy("topic").agg(F.count("*").alias("replayed_entries"))
     replayed = full_replay_states(entries).join(counts, "topic").toArrow()
-    return [{**r, "aborts": replayed.column("aborts").combine_chunks()[i].values.cast(ABORTS_TYPE)}
+    aborts = replayed.column("aborts").combine_chunks()
+    return [{**r, "aborts": aborts[i].values.cast(ABORTS_TYPE)}
             for i, r in enumerate(replayed.drop_columns(["aborts"]).to_pylist())]
 
 
