@@ -1,4 +1,5 @@
-"""The filtered offload tier in Dagster: a per-ledger partitioned asset, its sensor, its checks.
+"""The filtered offload tier in Dagster: a per-ledger partitioned asset, its sensor, its checks,
+and retention (`deleted_ledgers`: its own job and a daily schedule, never part of `txnlake run`).
 
 `offloaded_entries` and `offload_manifest` are one multi-asset partitioned by ledger
 (`LEDGER_PARTITIONS`). A run over one ledger or a backfill over a ledger range (one run, its
@@ -7,9 +8,12 @@ yet (OPEN, or beyond its topic's stable position) is reported under `waiting` an
 Re-running a partition is harmless: an offloaded ledger is not copied again.
 """
 
+from datetime import timedelta
 
 from dagster import (
     AssetCheckResult,
+    Config,
+    DefaultScheduleStatus,
     AssetCheckSeverity,
     AssetExecutionContext,
     AssetSelection,
@@ -22,11 +26,14 @@ from dagster import (
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
+    asset,
     asset_check,
     define_asset_job,
     multi_asset,
+    schedule,
     sensor,
 )
+from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.metadata import table_metadata
@@ -36,9 +43,11 @@ from resources.warehouse import WarehouseResource
 from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, position_lt
 from txn_engine.offload import content_checksum, offload_candidates, offload_ledgers
 from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
 from txn_engine.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
+    DELETED_LEDGERS,
     LEDGER_ENTRIES,
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
@@ -115,6 +124,60 @@ def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResou
         run_requests=[RunRequest(partition_key=k, run_key=f"offload-{k}") for k in sorted(set(keys))],
         dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [],
     )
+
+
+# -- retention ---------------------------------------------------------------------------------
+
+class RetentionConfig(Config):
+    """A retention policy: a ledger goes when any set limit says so (Kafka's retention.ms / .bytes)."""
+
+    max_age_hours: float | None = Field(default=DEFAULT_MAX_AGE.total_seconds() / 3600,
+                                        description="Delete ledgers whose last entry is older (default 168 h, as Kafka).")
+    max_bytes: int | None = Field(default=None, description="Per topic, delete the oldest ledgers while the hot ones hold more.")
+    keep_ledgers: int | None = Field(default=None, description="Per topic, keep at most this many (newest) ledgers.")
+    require_offloaded: bool = Field(default=True, description="Only delete ledgers the offload tier already holds.")
+    dry_run: bool = Field(default=False, description="Report what would be deleted; write nothing.")
+
+    def policy(self) -> RetentionPolicy:
+        age = None if self.max_age_hours is None else timedelta(hours=self.max_age_hours)
+        return RetentionPolicy(max_age=age, max_bytes=self.max_bytes, keep_ledgers=self.keep_ledgers,
+                               require_offloaded=self.require_offloaded)
+
+
+@asset(name=DELETED_LEDGERS, group_name=GROUP, deps=[OFFLOAD_MANIFEST, LEDGER_ENTRIES],
+       description="Retention: ledgers deleted from the hot tables (by default only offloaded ones), with their "
+       "last known catalog row; their aborts are trimmed from the abort set, readers read them from the tier.")
+def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, spark: SparkResource,
+                     warehouse: WarehouseResource) -> MaterializeResult:
+    wh = warehouse.open(spark.session())
+    policy = config.policy()
+    result = apply_retention(wh, policy, dry_run=config.dry_run)
+    verb = "would delete" if config.dry_run else "deleted"
+    context.log.info(f"retention {verb} {result.deleted} ({result.freed_entries} entries, {result.freed_bytes} bytes); "
+                     f"finished interrupted deletions {result.finished}")
+    rows = wh.read(DELETED_LEDGERS).count() if wh.exists(DELETED_LEDGERS) else 0
+    return MaterializeResult(metadata=table_metadata(
+        wh, DELETED_LEDGERS, rows,
+        policy=MetadataValue.json({k: v for k, v in config.model_dump().items() if k != "dry_run"}),
+        dry_run=config.dry_run,
+        ledgers_deleted=MetadataValue.json([f"{t}/{l}" for t, l in result.deleted]),
+        ledgers_finished=MetadataValue.json([f"{t}/{l}" for t, l in result.finished]),
+        entries_freed=result.freed_entries,
+        bytes_freed=result.freed_bytes,
+    ))
+
+
+retention_job = define_asset_job(
+    "retention",
+    selection=AssetSelection.assets(DELETED_LEDGERS),
+    description="Apply the retention policy (ops.deleted_ledgers.config) to the hot tables.",
+)
+
+
+@schedule(job=retention_job, cron_schedule="0 3 * * *", default_status=DefaultScheduleStatus.STOPPED,
+          description="Daily at 03:00: the default policy (ledgers older than 168 h, offloaded ones only).")
+def retention_schedule(_context):
+    return RunRequest()
 
 
 # -- checks ------------------------------------------------------------------------------------

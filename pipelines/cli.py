@@ -201,6 +201,39 @@ def cmd_offload(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retention(args: argparse.Namespace) -> int:
+    from dagster import AssetSelection
+
+    from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, parse_bytes, parse_duration
+    from txn_engine.schema import DELETED_LEDGERS, LEDGERS
+
+    named = args.max_age is not None or args.max_bytes is not None or args.keep_ledgers is not None
+    age = parse_duration(args.max_age) if args.max_age is not None else (None if named else DEFAULT_MAX_AGE)
+    config = {
+        "max_age_hours": None if age is None else age.total_seconds() / 3600,
+        "max_bytes": None if args.max_bytes is None else parse_bytes(args.max_bytes),
+        "keep_ledgers": args.keep_ledgers,
+        "require_offloaded": not args.include_not_offloaded,
+        "dry_run": args.dry_run,
+    }
+    RetentionPolicy(age, config["max_bytes"], config["keep_ledgers"])  # bad limits fail here, before any run
+    print("retention policy: " + ", ".join(f"{k}={v}" for k, v in config.items() if v is not None), flush=True)
+    instance = _instance()
+    result = _materialize(AssetSelection.assets(DELETED_LEDGERS), {"ops": {DELETED_LEDGERS: {"config": config}}}, instance=instance)
+    meta = {k: getattr(v, "value", v) for k, v in
+            result.get_asset_materialization_events()[0].event_specific_data.materialization.metadata.items()}
+    verb = "would delete" if args.dry_run else "deleted"
+    for key in meta["ledgers_deleted"]:
+        print(f"  {verb} {key}")
+    for key in meta["ledgers_finished"]:
+        print(f"  finished the interrupted deletion of {key}")
+    print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
+    _print_materializations(result)
+    if meta["ledgers_deleted"] and not args.dry_run:
+        _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))  # the catalog shows DELETED
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="txnlake",
@@ -252,6 +285,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier")
     p.add_argument("ledgers", nargs="*", type=int, metavar="LEDGER_ID", help="only these ledgers (default: every eligible one)")
     p.set_defaults(func=cmd_offload)
+
+    p = sub.add_parser("retention", help="delete old ledgers from the hot tables (by default only offloaded ones)",
+                       description="A ledger goes when any given limit says so; per topic the oldest go first and "
+                       "deletion stops at the first ledger that stays. Without a limit: --max-age 7d (Kafka's default).")
+    p.add_argument("--max-age", metavar="AGE", help="delete ledgers whose last entry is older, e.g. 7d, 36h, 90m")
+    p.add_argument("--max-bytes", metavar="SIZE", help="per topic, delete the oldest while the hot ledgers hold more, e.g. 10GB")
+    p.add_argument("--keep-ledgers", type=int, metavar="N", help="per topic, keep the newest N ledgers")
+    p.add_argument("--include-not-offloaded", action="store_true",
+                   help="also delete CLOSED ledgers the tier does not hold (their data is then gone)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; write nothing")
+    p.set_defaults(func=cmd_retention)
     return parser
 
 

@@ -13,7 +13,16 @@ from dagster import AssetSelection, Definitions, define_asset_job, in_process_ex
 
 from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
 from assets.ledger import ingest_ledger_entries, ledgers
-from assets.offload import OFFLOAD_CHECKS, OFFLOAD_SELECTION, offload_eligible_ledgers, offload_job, offload_tier
+from assets.offload import (
+    OFFLOAD_CHECKS,
+    OFFLOAD_SELECTION,
+    ledger_retention,
+    offload_eligible_ledgers,
+    offload_job,
+    offload_tier,
+    retention_job,
+    retention_schedule,
+)
 from assets.snapshots import GROUP as SNAPSHOT_GROUP
 from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
 from assets.sql_models import sql_model_assets
@@ -32,6 +41,7 @@ ALL_ASSETS = [
     demo_workload,
     *SNAPSHOT_ASSETS,
     offload_tier,
+    ledger_retention,
 ]
 ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 
@@ -39,7 +49,7 @@ ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 # The demo workload writes through the engine: it runs only when asked (`txnlake demo`, its job).
 # Snapshots have their own loop (take_snapshots: sensor + schedule), as a broker's timer does.
 # The offload tier is partitioned by ledger and runs per ledger (offload job, sensor); what reads it
-# (tier_sizes) follows an offload, not every `txnlake run`.
+# (tier_sizes) follows an offload, not every `txnlake run`; so does retention (deleted_ledgers).
 DERIVED_SELECTION = (
     AssetSelection.all()
     - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
@@ -69,9 +79,9 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job],
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job],
     sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS, offload_eligible_ledgers],
-    schedules=[*SNAPSHOT_SCHEDULES],
+    schedules=[*SNAPSHOT_SCHEDULES, retention_schedule],
     resources=RESOURCES,
     executor=in_process_executor,
 )

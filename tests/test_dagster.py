@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dagster import AssetKey, AssetSelection, materialize
 
-from pipelines.definitions import ALL_ASSETS, defs
+from assets.offload import retention_job
+from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
@@ -25,6 +26,10 @@ def test_definitions_load_with_every_asset_and_sql_deps():
     assert defs.resolve_job_def("derive_all") is not None
     assert defs.resolve_job_def("transaction_buffer").partitions_def.name == "ledgers"
     assert defs.resolve_sensor_def("ledgers_closed_sensor") is not None
+    # Retention has its own job and (stopped) daily schedule; `txnlake run` never deletes ledgers.
+    assert defs.resolve_schedule_def("retention_schedule").job_name == "retention"
+    assert retention_job.selection.resolve(graph) == {AssetKey("deleted_ledgers")}
+    assert AssetKey("deleted_ledgers") not in DERIVED_SELECTION.resolve(graph)
 
 
 def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_root, tmp_path):

@@ -13,8 +13,17 @@ from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.offload import offload_ledgers
 from txn_engine.reader import TopicReader
-from txn_engine.retention import AFTER_STATE, RetentionPolicy, RetentionPolicyError, apply_retention, ledgers_to_delete
-from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, TXN_MARKERS
+from pipelines.cli import main
+from txn_engine.retention import (
+    AFTER_STATE,
+    RetentionPolicy,
+    RetentionPolicyError,
+    apply_retention,
+    ledgers_to_delete,
+    parse_bytes,
+    parse_duration,
+)
+from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, DELETED_LEDGERS, LEDGER_ENTRIES, LEDGERS, TXN_MARKERS
 from txn_engine.transaction_buffer import LogEntry, TxnId, replay
 
 # Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
@@ -137,3 +146,52 @@ def test_policies_choose_a_prefix_of_each_topic(policy, expected):
 def test_bad_policies_are_clear_errors(kwargs, message):
     with pytest.raises(RetentionPolicyError, match=message):
         RetentionPolicy(**kwargs)
+
+
+@pytest.mark.parametrize("text,seconds", [("90m", 5400), ("36h", 129600), ("7d", 604800), ("2w", 1209600), ("45", 45)])
+def test_ages_parse(text, seconds):
+    assert parse_duration(text) == timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("text,size", [("500", 500), ("10GB", 10**10), ("512MiB", 512 * 2**20), ("1.5kb", 1500)])
+def test_sizes_parse(text, size):
+    assert parse_bytes(text) == size
+
+
+def test_txnlake_retention_dry_run_then_delete_then_catalog(offloaded, warehouse_root, capsys):
+    wh = offloaded
+    entries_before = wh.read(LEDGER_ENTRIES).count()
+
+    # Bad limits: a clear error, exit 2, nothing deleted.
+    for argv, message in [(["--max-age", "a week"], "cannot read 'a week' as an age"),
+                          (["--max-bytes", "10 parsecs"], "cannot read '10 parsecs' as a size"),
+                          (["--keep-ledgers", "-2"], "keep_ledgers must not be negative")]:
+        assert main(["retention", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert wh.read(LEDGER_ENTRIES).count() == entries_before
+
+    # The default policy is 7 days (Kafka's): these ledgers were published on 2026-01-01. A dry run.
+    assert main(["retention", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "max_age_hours=168.0" in out and "would delete 4 ledger(s)" in out
+    assert main(["retention", "--max-age", "36500d"]) == 0  # nothing is that old
+    assert "deleted 0 ledger(s)" in capsys.readouterr().out
+
+    # A dry run says what would go and what it frees, and writes nothing.
+    assert main(["retention", "--keep-ledgers", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "max_age_hours" not in out and "keep_ledgers=1" in out
+    assert all(f"would delete {k}" in out for k in ("t/1", "t/2", "t/3", "u/5"))
+    assert "would delete 4 ledger(s): 14 entries" in out
+    assert wh.read(LEDGER_ENTRIES).count() == entries_before and not wh.exists(DELETED_LEDGERS)
+
+    assert main(["retention", "--keep-ledgers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted 4 ledger(s): 14 entries" in out and "deleted_ledgers" in out
+    assert ledger_keys(wh.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 6), ("u", 7), ("v", 8)]
+    assert ledger_keys(wh.read(DELETED_LEDGERS)) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    # The `ledgers` table (refreshed by the command) shows them DELETED.
+    states = {(r.topic, r.ledger_id): r.state for r in wh.read(LEDGERS).collect()}
+    assert [k for k, s in sorted(states.items()) if s == "DELETED"] == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    assert main(["retention", "--keep-ledgers", "1"]) == 0
+    assert "deleted 0 ledger(s)" in capsys.readouterr().out

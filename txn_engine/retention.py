@@ -24,6 +24,7 @@ drops it, since the first copy is in the tier).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
@@ -101,10 +102,39 @@ def _utc(moment: datetime) -> datetime:
     return moment.astimezone(timezone.utc)
 
 
+# Kafka's default `retention.ms` (7 days): the policy when an operator names no limit.
+DEFAULT_MAX_AGE = timedelta(hours=168)
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90m`, `36h`, `7d`, `2w` or plain seconds, as a timedelta (what `--max-age` takes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if not match:
+        raise RetentionPolicyError(f"cannot read {text!r} as an age: write a number with s, m, h, d or w, e.g. 7d or 36h")
+    return timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"])
+
+
+def parse_bytes(text: str) -> int:
+    """`500000`, `512MiB`, `10GB` ... as a number of bytes (what `--max-bytes` takes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _BYTE_UNITS:
+        raise RetentionPolicyError(f"cannot read {text!r} as a size: write bytes, or a number with KB, MB, GB, "
+                                   "KiB, MiB or GiB, e.g. 10GB")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+
+
 @dataclass
 class RetentionResult:
     deleted: list[LedgerKey] = field(default_factory=list)  # newly chosen by the policy
     finished: list[LedgerKey] = field(default_factory=list)  # recorded DELETED earlier, entries still there
+    # The chosen ledgers' catalog rows before deletion (entries, bytes): what the run frees.
+    freed_entries: int = 0
+    freed_bytes: int = 0
+    dry_run: bool = False
 
 
 def apply_retention(
@@ -112,16 +142,24 @@ def apply_retention(
     policy: RetentionPolicy,
     now: datetime | None = None,
     crash_hook: Callable[[str], None] | None = None,
+    dry_run: bool = False,
 ) -> RetentionResult:
-    """Delete what `policy` chooses (and finish interrupted deletions). See the module doc for the steps."""
+    """Delete what `policy` chooses (and finish interrupted deletions). See the module doc for the steps.
+
+    With `dry_run` nothing is written: the result says what a real run would delete and free.
+    """
     wh = warehouse
     now = now or datetime.now(timezone.utc)
+    wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
     catalog = [r.asDict() for r in current_ledger_catalog(wh).collect()]
     present = {(r.topic, r.ledger_id) for r in wh.read(LEDGER_ENTRIES).select("topic", "ledger_id").distinct().collect()}
     unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
     chosen = ledgers_to_delete(catalog, policy, now, offloaded_ledgers(wh))
-    result = RetentionResult(deleted=chosen, finished=unfinished)
-    if not chosen and not unfinished:
+    freed = [r for r in catalog if (r["topic"], r["ledger_id"]) in set(chosen)]
+    result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run,
+                             freed_entries=sum(int(r["entry_count"]) for r in freed),
+                             freed_bytes=sum(int(r["size_bytes"]) for r in freed))
+    if dry_run or (not chosen and not unfinished):
         return result
     hook = crash_hook or (lambda step: None)
     if chosen:
