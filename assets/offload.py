@@ -84,6 +84,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
     context.log.info(f"offloaded {result.offloaded}: {savings}")
     extra = {
         "ledgers_requested": len(ledger_ids),
+        "facts_from": result.facts_from,
         "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),
         "ledgers_waiting": MetadataValue.json(waiting),

@@ -5,13 +5,23 @@ from __future__ import annotations
 import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
-from tests.rows import write_jsonl
+from tests.rows import entry, write_jsonl
 from pyspark.sql import functions as F
 
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
-from txn_engine.offload import AFTER_ENTRIES, AFTER_MANIFEST, content_checksum, offload_ledgers
-from txn_engine.schema import LEDGER_ENTRIES, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.buffer_jobs import classify_entries, stable_from_facts
+from txn_engine.offload import (
+    AFTER_ENTRIES,
+    AFTER_MANIFEST,
+    FROM_BUFFER_STATE,
+    FROM_LEDGER_ENTRIES,
+    _buffer_facts,
+    content_checksum,
+    offload_ledgers,
+)
+from txn_engine.schema import BUFFER_LEDGER_TXNS, LEDGER_ENTRIES, LEDGER_STATES_LOG, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
 
 class Crash(Exception):
@@ -108,6 +118,45 @@ def test_ledgers_become_eligible_when_the_ongoing_transaction_commits(warehouse,
     t2 = manifest_rows(warehouse)[("t", 2)]
     assert (t2["entries_kept"], t2["dropped_markers"], t2["dropped_duplicates"]) == (3, 1, 1)
     assert ("t", 2, 3) not in tier_positions(warehouse)  # the retried duplicate stays behind
+
+
+def rows_of(frame):
+    return sorted(tuple(r) for r in frame.collect())
+
+
+def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    entries = warehouse.read(LEDGER_ENTRIES)
+    catalog = current_ledger_catalog(warehouse, entries).collect()
+    from_state, source = _buffer_facts(warehouse, entries, catalog)
+    assert source == FROM_BUFFER_STATE
+    from_log = classify_entries(entries)
+    # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
+    assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
+    assert rows_of(from_state.duplicates) == rows_of(from_log.duplicates)
+    assert rows_of(stable_from_facts(from_state)) == rows_of(stable_from_facts(from_log))
+    for frame in from_state.cached_frames():
+        frame.unpersist()
+
+    by_state = offload_ledgers(warehouse)
+    assert by_state.facts_from == FROM_BUFFER_STATE
+    assert sorted(by_state.offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    tier, manifest = rows_of(warehouse.read(OFFLOADED_ENTRIES)), manifest_rows(warehouse)
+
+    # The same offload deciding from the log (no buffer state): the same tier rows and manifest.
+    for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST, LEDGER_STATES_LOG, BUFFER_LEDGER_TXNS):
+        warehouse.delete(table, "true")
+    by_log = offload_ledgers(warehouse)
+    assert by_log.facts_from == FROM_LEDGER_ENTRIES and sorted(by_log.offloaded) == sorted(by_state.offloaded)
+    assert rows_of(warehouse.read(OFFLOADED_ENTRIES)) == tier
+    drop_time = lambda rows: {k: {c: v for c, v in r.items() if c != "offloaded_at"} for k, r in rows.items()}  # noqa: E731
+    assert drop_time(manifest_rows(warehouse)) == drop_time(manifest)
+
+    # A ledger the buffer has not processed: the state no longer describes the log.
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    ingest(warehouse, tmp_path, [entry("u", 9, 0, payload=b"late")], "more.jsonl")
+    assert offload_ledgers(warehouse).facts_from == FROM_LEDGER_ENTRIES
 
 
 def test_offload_twice_leaves_the_same_rows(warehouse, tmp_path):

@@ -6,9 +6,16 @@ there: DATA entries that are non-transactional or committed (before their COMMIT
 (producer_id, sequence_id) once), at their original positions. Markers, aborted data, retried
 duplicates and late data stay behind, counted by reason in the manifest.
 
-Everything is decided from `ledger_entries` itself with the buffer's own rules
-(`buffer_jobs.classify_entries`), never from the derived tables, which may be from an older
-computation or half rewritten: eligibility and the filter come from one consistent view.
+Everything is decided with the buffer's own rules, from one consistent view of the log:
+- when the transaction buffer's persisted state (`buffer_ledger_txns`, `buffer_duplicates`, see
+  `buffer_incremental`) describes exactly the pinned `ledger_entries` (every ledger's entry
+  count and last entry agree, as the buffer's own planner checks), the facts are folded from
+  that state: a few narrow tables instead of the whole log (Pulsar's offloader likewise asks
+  the topic's transaction buffer, it does not re-read the topic);
+- otherwise (no state yet, a ledger the buffer has not processed, a ledger retention removed)
+  they are classified from the pinned `ledger_entries` itself (`buffer_jobs.classify_entries`).
+Never from the contract tables, which may be half rewritten. Both ways give the same facts
+(tested): the state is by definition the per-ledger step of `classify_entries`.
 
 How the work is laid out, and why (writing Parquet costs several times what reading it does):
 - one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
@@ -41,10 +48,24 @@ from typing import Callable, Iterable
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_jobs import TXN_KEY, classify_entries, has_txn, is_data, position_le, position_lt, stable_from_facts
+from txn_engine.buffer_incremental import plan_scope
+from txn_engine.buffer_jobs import (
+    NARROW_COLUMNS,
+    TXN_KEY,
+    BufferFacts,
+    classify_entries,
+    has_txn,
+    is_data,
+    position_le,
+    position_lt,
+    stable_from_facts,
+    txns_from_ledger_txns,
+)
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
+    BUFFER_DUPLICATES,
+    BUFFER_LEDGER_TXNS,
     LEDGER_ENTRIES,
     LEDGER_ENTRY_COLUMNS,
     OFFLOAD_MANIFEST,
@@ -55,6 +76,9 @@ from txn_engine.schema import (
     STABLE_POSITIONS,
 )
 from txn_engine.warehouse import Warehouse
+
+# Where an offload run took the buffer's facts from (OffloadResult.facts_from).
+FROM_BUFFER_STATE, FROM_LEDGER_ENTRIES = "buffer_state", "ledger_entries"
 
 # Why an entry stays behind (or KEPT). The manifest has one count column per reason.
 KEPT, MARKER, ABORTED, DUPLICATE, OTHER = "KEPT", "MARKER", "ABORTED", "DUPLICATE", "OTHER"
@@ -179,6 +203,7 @@ class OffloadResult:
     finished_orphans: list[LedgerKey] = field(default_factory=list)
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
+    facts_from: str = FROM_LEDGER_ENTRIES
 
     @property
     def offloaded(self) -> list[LedgerKey]:
@@ -206,18 +231,20 @@ def offload_ledgers(
     wh = warehouse
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
     entries = _log_as_of_now(wh)
-    facts = classify_entries(entries, persist=True)
+    # The catalog of the same snapshot of the log; only the columns eligibility and the state
+    # check need, so Spark reads no payload for it (the manifest's bytes come from the copy).
+    catalog_rows = (
+        current_ledger_catalog(wh, entries).select("topic", "ledger_id", "state", "entry_count", "last_entry_id").collect()
+    )
+    facts, facts_from = _buffer_facts(wh, entries, catalog_rows)
     stable = stable_from_facts(facts).cache()
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
-        # The catalog of the same snapshot of the log; only the columns eligibility needs, so
-        # Spark reads no payload for it (the manifest's bytes come from the copy).
-        catalog = (
-            ledger_eligibility(current_ledger_catalog(wh, entries), stable)
-            .select("topic", "ledger_id", "state", "eligible", "waiting_reason")
-            .collect()
+        catalog_df = wh.spark.createDataFrame(
+            catalog_rows, "topic string, ledger_id long, state string, entry_count long, last_entry_id long"
         )
-        result = OffloadResult()
+        catalog = ledger_eligibility(catalog_df, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
+        result = OffloadResult(facts_from=facts_from)
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
         in_tier = {
@@ -256,11 +283,39 @@ def offload_ledgers(
             frame.unpersist()
 
 
+def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog_rows: list) -> tuple[BufferFacts, str]:
+    """The buffer's facts of the pinned log: folded from the buffer's state when it describes
+    exactly these ledgers, else classified from the log. Narrow frames, cached."""
+    if wh.exists(BUFFER_LEDGER_TXNS) and wh.exists(BUFFER_DUPLICATES):
+        # Read buffer_ledger_txns first: a buffer run writes it last, so a run in progress can only
+        # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
+        # duplicates in either version.
+        ledger_txns = _as_of_now(wh, BUFFER_LEDGER_TXNS)
+        live = [r for r in catalog_rows if r["state"] != "DELETED" and r["entry_count"]]
+        inventory = wh.spark.createDataFrame(
+            [(r["topic"], r["ledger_id"], r["entry_count"], r["last_entry_id"]) for r in live],
+            "topic string, ledger_id long, entry_count long, last_entry_id long",
+        )
+        changed, deleted, _ = plan_scope(inventory, ledger_txns, ())
+        if not changed and not deleted:
+            ledger_txns = ledger_txns.cache()
+            duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
+            txns = txns_from_ledger_txns(ledger_txns).cache()
+            ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+            return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns), FROM_BUFFER_STATE
+    return classify_entries(entries, persist=True), FROM_LEDGER_ENTRIES
+
+
+def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
+    """`table` pinned to its current version (a later commit does not change what this run reads)."""
+    version = wh.version(table)
+    return wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(table))
+
+
 def _log_as_of_now(wh: Warehouse) -> DataFrame:
     """`ledger_entries` pinned to its current version: every job of this run reads the same rows."""
     wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
-    version = wh.version(LEDGER_ENTRIES)
-    return wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(LEDGER_ENTRIES))
+    return _as_of_now(wh, LEDGER_ENTRIES)
 
 
 def _copy_ledgers(
@@ -282,8 +337,12 @@ def _copy_ledgers(
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
     # The same rows again (same log version, same classification): what was written, counted.
-    with_sizes = classified.withColumn("_bytes", entry_size_bytes()).withColumn("_hash", row_hash())
-    counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(with_sizes).collect()}
+    # Size and hash first, then only narrow rows go through the joins (no payload carried).
+    sized = _in_ledgers(entries, targets).select(
+        *NARROW_COLUMNS, entry_size_bytes().alias("_bytes"), row_hash().alias("_hash")
+    )
+    narrow_classified = classify_for_offload(sized, decided, facts.duplicates)
+    counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(narrow_classified).collect()}
     location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
     rows = []
     for key in targets:
