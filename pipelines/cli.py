@@ -204,7 +204,8 @@ def cmd_offload(args: argparse.Namespace) -> int:
 def cmd_retention(args: argparse.Namespace) -> int:
     from dagster import AssetSelection
 
-    from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, parse_bytes, parse_duration
+    from assets.offload import RetentionConfig
+    from txn_engine.retention import DEFAULT_MAX_AGE, parse_bytes, parse_duration
     from txn_engine.schema import DELETED_LEDGERS, LEDGERS
 
     named = args.max_age is not None or args.max_bytes is not None or args.keep_ledgers is not None
@@ -216,7 +217,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
         "require_offloaded": not args.include_not_offloaded,
         "dry_run": args.dry_run,
     }
-    RetentionPolicy(age, config["max_bytes"], config["keep_ledgers"])  # bad limits fail here, before any run
+    RetentionConfig(**config).policy()  # bad limits fail here, before any run
     print("retention policy: " + ", ".join(f"{k}={v}" for k, v in config.items() if v is not None), flush=True)
     instance = _instance()
     result = _materialize(AssetSelection.assets(DELETED_LEDGERS), {"ops": {DELETED_LEDGERS: {"config": config}}}, instance=instance)

@@ -128,7 +128,7 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     entries = warehouse.read(LEDGER_ENTRIES)
-    catalog = current_ledger_catalog(warehouse, entries).collect()
+    catalog = current_ledger_catalog(warehouse, entries)
     from_state, source = _buffer_facts(warehouse, entries, catalog)
     assert source == FROM_BUFFER_STATE
     from_log = classify_entries(entries)

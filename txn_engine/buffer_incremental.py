@@ -234,6 +234,11 @@ def ledger_inventory(wh: Warehouse) -> DataFrame:
     it is derived here. DELETED ledgers are gone: retention deletes their rows.
     """
     catalog = wh.read(LEDGERS) if wh.exists(LEDGERS) else derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))
+    return inventory_of(catalog)
+
+
+def inventory_of(catalog: DataFrame) -> DataFrame:
+    """The ledgers a catalog says `ledger_entries` holds: (topic, ledger_id, entry_count, last_entry_id). Pure."""
     return catalog.filter((F.col("state") != "DELETED") & (F.col("entry_count") > 0)).select(
         "topic", "ledger_id", "entry_count", "last_entry_id"
     )

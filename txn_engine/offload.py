@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_incremental import plan_scope
+from txn_engine.buffer_incremental import inventory_of, plan_scope
 from txn_engine.buffer_jobs import (
     NARROW_COLUMNS,
     TXN_KEY,
@@ -233,17 +233,18 @@ def offload_ledgers(
     entries = _log_as_of_now(wh)
     # The catalog of the same snapshot of the log; only the columns eligibility and the state
     # check need, so Spark reads no payload for it (the manifest's bytes come from the copy).
+    # Collected once (a row per ledger) and used as a small local frame by both steps below.
     catalog_rows = (
         current_ledger_catalog(wh, entries).select("topic", "ledger_id", "state", "entry_count", "last_entry_id").collect()
     )
-    facts, facts_from = _buffer_facts(wh, entries, catalog_rows)
+    catalog_now = wh.spark.createDataFrame(
+        catalog_rows, "topic string, ledger_id long, state string, entry_count long, last_entry_id long"
+    )
+    facts, facts_from = _buffer_facts(wh, entries, catalog_now)
     stable = stable_from_facts(facts).cache()
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
-        catalog_df = wh.spark.createDataFrame(
-            catalog_rows, "topic string, ledger_id long, state string, entry_count long, last_entry_id long"
-        )
-        catalog = ledger_eligibility(catalog_df, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
+        catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
         result = OffloadResult(facts_from=facts_from)
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
@@ -283,20 +284,16 @@ def offload_ledgers(
             frame.unpersist()
 
 
-def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog_rows: list) -> tuple[BufferFacts, str]:
-    """The buffer's facts of the pinned log: folded from the buffer's state when it describes
-    exactly these ledgers, else classified from the log. Narrow frames, cached."""
+def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tuple[BufferFacts, str]:
+    """The buffer's facts of the pinned log (`catalog` is its ledger catalog): folded from the
+    buffer's state when it describes exactly these ledgers, else classified from the log.
+    Narrow frames, cached."""
     if wh.exists(BUFFER_LEDGER_TXNS) and wh.exists(BUFFER_DUPLICATES):
         # Read buffer_ledger_txns first: a buffer run writes it last, so a run in progress can only
         # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
         # duplicates in either version.
         ledger_txns = _as_of_now(wh, BUFFER_LEDGER_TXNS)
-        live = [r for r in catalog_rows if r["state"] != "DELETED" and r["entry_count"]]
-        inventory = wh.spark.createDataFrame(
-            [(r["topic"], r["ledger_id"], r["entry_count"], r["last_entry_id"]) for r in live],
-            "topic string, ledger_id long, entry_count long, last_entry_id long",
-        )
-        changed, deleted, _ = plan_scope(inventory, ledger_txns, ())
+        changed, deleted, _ = plan_scope(inventory_of(catalog), ledger_txns, ())
         if not changed and not deleted:
             ledger_txns = ledger_txns.cache()
             duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()

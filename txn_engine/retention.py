@@ -150,28 +150,28 @@ def apply_retention(
     """
     wh = warehouse
     now = now or datetime.now(timezone.utc)
-    wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
-    catalog = [r.asDict() for r in current_ledger_catalog(wh).collect()]
-    present = {(r.topic, r.ledger_id) for r in wh.read(LEDGER_ENTRIES).select("topic", "ledger_id").distinct().collect()}
+    log = wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
+    catalog = [r.asDict() for r in current_ledger_catalog(wh, log).collect()]
+    present = {(r.topic, r.ledger_id) for r in log.select("topic", "ledger_id").distinct().collect()}
     unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
     chosen = ledgers_to_delete(catalog, policy, now, offloaded_ledgers(wh))
-    freed = [r for r in catalog if (r["topic"], r["ledger_id"]) in set(chosen)]
+    chosen_set = set(chosen)
+    chosen_rows = [r for r in catalog if (r["topic"], r["ledger_id"]) in chosen_set]  # their last known catalog rows
     result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run,
-                             freed_entries=sum(int(r["entry_count"]) for r in freed),
-                             freed_bytes=sum(int(r["size_bytes"]) for r in freed))
+                             freed_entries=sum(int(r["entry_count"]) for r in chosen_rows),
+                             freed_bytes=sum(int(r["size_bytes"]) for r in chosen_rows))
     if dry_run or (not chosen and not unfinished):
         return result
     hook = crash_hook or (lambda step: None)
     if chosen:
-        rows = [r for r in catalog if (r["topic"], r["ledger_id"]) in set(chosen)]
-        last_known = wh.spark.createDataFrame([tuple(r[f.name] for f in LEDGERS_SCHEMA.fields) for r in rows], LEDGERS_SCHEMA)
+        last_known = wh.spark.createDataFrame([tuple(r[f.name] for f in LEDGERS_SCHEMA.fields) for r in chosen_rows], LEDGERS_SCHEMA)
         last_known = last_known.withColumn("deleted_at", F.lit(now).cast("timestamp"))
         last_known = last_known.select(*[F.col(f.name).cast(f.dataType) for f in DELETED_LEDGERS_SCHEMA.fields])
         wh.overwrite(DELETED_LEDGERS, last_known, replace_where=ledger_predicate(chosen))
         hook(AFTER_CATALOG)
         record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
         hook(AFTER_STATE)
-    targets = sorted(set(chosen) | set(unfinished))
+    targets = sorted(chosen_set | set(unfinished))
     wh.delete(COMMITTED_ENTRIES, ledger_predicate(targets))
     wh.delete(TXN_MARKERS, ledger_predicate(targets))
     wh.delete(ABORTED_TXNS, ledger_predicate(targets, "abort_ledger_id"))
