@@ -16,6 +16,7 @@ from dagster import (
     DefaultScheduleStatus,
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetObservation,
     AssetSelection,
     AssetSpec,
     BackfillPolicy,
@@ -145,27 +146,30 @@ class RetentionConfig(Config):
                                require_offloaded=self.require_offloaded)
 
 
-@asset(name=DELETED_LEDGERS, group_name=GROUP, deps=[OFFLOAD_MANIFEST, LEDGER_ENTRIES],
+@asset(name=DELETED_LEDGERS, group_name=GROUP, deps=[OFFLOAD_MANIFEST, LEDGER_ENTRIES], output_required=False,
        description="Retention: ledgers deleted from the hot tables (by default only offloaded ones), with their "
-       "last known catalog row; their aborts are trimmed from the abort set, readers read them from the tier.")
+       "last known catalog row; their aborts are trimmed from the abort set, readers read them from the tier. "
+       "A dry run records an observation (what would go), not a materialization: nothing changed.")
 def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, spark: SparkResource,
-                     warehouse: WarehouseResource) -> MaterializeResult:
+                     warehouse: WarehouseResource):
     wh = warehouse.open(spark.session())
-    policy = config.policy()
-    result = apply_retention(wh, policy, dry_run=config.dry_run)
+    result = apply_retention(wh, config.policy(), dry_run=config.dry_run)
     verb = "would delete" if config.dry_run else "deleted"
     context.log.info(f"retention {verb} {result.deleted} ({result.freed_entries} entries, {result.freed_bytes} bytes); "
                      f"finished interrupted deletions {result.finished}")
+    outcome = {
+        "policy": MetadataValue.json({k: v for k, v in config.model_dump().items() if k != "dry_run"}),
+        "dry_run": config.dry_run,
+        "ledgers_deleted": MetadataValue.json([f"{t}/{l}" for t, l in result.deleted]),
+        "ledgers_finished": MetadataValue.json([f"{t}/{l}" for t, l in result.finished]),
+        "entries_freed": result.freed_entries,
+        "bytes_freed": result.freed_bytes,
+    }
+    if config.dry_run:
+        context.log_event(AssetObservation(asset_key=DELETED_LEDGERS, metadata=outcome))
+        return
     rows = wh.read(DELETED_LEDGERS).count() if wh.exists(DELETED_LEDGERS) else 0
-    return MaterializeResult(metadata=table_metadata(
-        wh, DELETED_LEDGERS, rows,
-        policy=MetadataValue.json({k: v for k, v in config.model_dump().items() if k != "dry_run"}),
-        dry_run=config.dry_run,
-        ledgers_deleted=MetadataValue.json([f"{t}/{l}" for t, l in result.deleted]),
-        ledgers_finished=MetadataValue.json([f"{t}/{l}" for t, l in result.finished]),
-        entries_freed=result.freed_entries,
-        bytes_freed=result.freed_bytes,
-    ))
+    yield MaterializeResult(metadata=table_metadata(wh, DELETED_LEDGERS, rows, **outcome))
 
 
 retention_job = define_asset_job(

@@ -221,15 +221,17 @@ def cmd_retention(args: argparse.Namespace) -> int:
     print("retention policy: " + ", ".join(f"{k}={v}" for k, v in config.items() if v is not None), flush=True)
     instance = _instance()
     result = _materialize(AssetSelection.assets(DELETED_LEDGERS), {"ops": {DELETED_LEDGERS: {"config": config}}}, instance=instance)
-    meta = {k: getattr(v, "value", v) for k, v in
-            result.get_asset_materialization_events()[0].event_specific_data.materialization.metadata.items()}
+    # A real run materializes deleted_ledgers; a dry run only observes it (nothing changed).
+    [event] = result.get_asset_observation_events() if args.dry_run else result.get_asset_materialization_events()
+    outcome = event.event_specific_data.asset_observation if args.dry_run else event.event_specific_data.materialization
+    meta = {k: getattr(v, "value", v) for k, v in outcome.metadata.items()}
     verb = "would delete" if args.dry_run else "deleted"
     for key in meta["ledgers_deleted"]:
         print(f"  {verb} {key}")
     for key in meta["ledgers_finished"]:
         print(f"  finished the interrupted deletion of {key}")
     print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
-    _print_materializations(result)
+    _print_materializations(result)  # (none for a dry run)
     if meta["ledgers_deleted"] and not args.dry_run:
         _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))  # the catalog shows DELETED
     return 0

@@ -158,6 +158,14 @@ def test_sizes_parse(text, size):
     assert parse_bytes(text) == size
 
 
+def retention_events():
+    """deleted_ledgers' materialization count and observations (newest first) in the CLI's Dagster instance."""
+    from dagster import AssetKey, DagsterInstance
+
+    instance, key = DagsterInstance.get(), AssetKey(DELETED_LEDGERS)
+    return len(instance.fetch_materializations(key, limit=1000).records), instance.fetch_observations(key, limit=1000).records
+
+
 def test_txnlake_retention_dry_run_then_delete_then_catalog(offloaded, warehouse_root, capsys):
     wh = offloaded
     entries_before = wh.read(LEDGER_ENTRIES).count()
@@ -170,12 +178,18 @@ def test_txnlake_retention_dry_run_then_delete_then_catalog(offloaded, warehouse
         assert message in capsys.readouterr().err
     assert wh.read(LEDGER_ENTRIES).count() == entries_before
 
-    # The default policy is 7 days (Kafka's): these ledgers were published on 2026-01-01. A dry run.
+    # The default policy is 7 days (Kafka's): these ledgers were published on 2026-01-01. A dry run
+    # is recorded as an observation of deleted_ledgers, not a materialization: nothing changed.
+    events = retention_events()
     assert main(["retention", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "max_age_hours=168.0" in out and "would delete 4 ledger(s)" in out
+    materialized, observed = retention_events()
+    assert (materialized, len(observed)) == (events[0], len(events[1]) + 1)
+    assert observed[0].asset_observation.metadata["ledgers_deleted"].value == ["t/1", "t/2", "t/3", "u/5"]
     assert main(["retention", "--max-age", "36500d"]) == 0  # nothing is that old
     assert "deleted 0 ledger(s)" in capsys.readouterr().out
+    assert retention_events()[0] == events[0] + 1
 
     # A dry run says what would go and what it frees, and writes nothing.
     assert main(["retention", "--keep-ledgers", "1", "--dry-run"]) == 0

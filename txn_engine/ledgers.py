@@ -82,8 +82,14 @@ def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
     return log.withColumn("_n", F.row_number().over(latest)).filter("_n = 1").select("topic", "ledger_id", "state")
 
 
-def deleted_ledgers(warehouse: Warehouse) -> DataFrame:
-    """The last known catalog rows of the ledgers retention deleted (empty when none was)."""
+def recorded_deleted_ledgers(warehouse: Warehouse) -> DataFrame:
+    """(topic, ledger_id) recorded DELETED in ledger_states: their aborts are trimmed from every abort set."""
+    return recorded_ledger_states(warehouse).where(F.col("state") == "DELETED").select("topic", "ledger_id")
+
+
+def deleted_ledger_rows(warehouse: Warehouse) -> DataFrame:
+    """The `deleted_ledgers` table: the last known catalog rows of the ledgers retention deleted
+    (empty when none was)."""
     return warehouse.read_or_empty(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA)
 
 
@@ -91,4 +97,4 @@ def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = Non
     """The catalog as of now: ledger_entries (or `entries`, e.g. one pinned version of it), the
     recorded states and the deleted ledgers."""
     log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
-    return derive_ledger_catalog(log, recorded_ledger_states(warehouse), deleted_ledgers(warehouse))
+    return derive_ledger_catalog(log, recorded_ledger_states(warehouse), deleted_ledger_rows(warehouse))

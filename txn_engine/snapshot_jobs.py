@@ -40,7 +40,7 @@ from txn_engine.buffer_jobs import (
     require_ledger_entries,
     stable_from_facts,
 )
-from txn_engine.ledgers import recorded_ledger_states
+from txn_engine.ledgers import recorded_deleted_ledgers
 from txn_engine.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
@@ -392,11 +392,6 @@ def live_snapshots(segments: DataFrame) -> DataFrame:
     )
 
 
-def deleted_ledgers(warehouse: Warehouse) -> DataFrame:
-    """(topic, ledger_id) recorded DELETED: their aborts are trimmed from every abort set."""
-    return recorded_ledger_states(warehouse).where(F.col("state") == "DELETED").select("topic", "ledger_id")
-
-
 def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: DataFrame) -> DataFrame:
     """`recovered_buffer_state` for every topic with entries (see the module doc).
 
@@ -682,4 +677,4 @@ def read_segments(warehouse: Warehouse) -> DataFrame:
 
 def recover_from_warehouse(warehouse: Warehouse) -> DataFrame:
     """`recover_buffer_states` over the warehouse's tables."""
-    return recover_buffer_states(warehouse.read(LEDGER_ENTRIES), read_segments(warehouse), deleted_ledgers(warehouse))
+    return recover_buffer_states(warehouse.read(LEDGER_ENTRIES), read_segments(warehouse), recorded_deleted_ledgers(warehouse))

@@ -182,7 +182,7 @@ def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[in
     return kept
 
 
-def deleted_ledgers(states: pa.Table) -> dict[str, set[int]]:
+def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
     """Per topic, the ledgers whose latest recorded state (`ledger_states`) is DELETED."""
     latest: dict[tuple[str, int], tuple] = {}
     for r in states.select(["topic", "ledger_id", "state", "recorded_at"]).to_pylist():
@@ -350,7 +350,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
     tables = DeltaTables(warehouse)
     with _step(seconds, "index"):
         index, aborts = snapshot_index(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA))
-        deleted = deleted_ledgers(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
+        deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
     usable = {t: s for t, s in index.items() if s.fallback_reason is None}
     log = DeltaTable(warehouse.path(LEDGER_ENTRIES))
     with _step(seconds, "tail"):
