@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,37 @@ def warehouse(spark, warehouse_root: Path):
     from txn_engine.warehouse import Warehouse
 
     return Warehouse(spark, WarehouseSettings(warehouse=str(warehouse_root)))
+
+
+@pytest.fixture(scope="session")
+def _prepared_roots(spark, tmp_path_factory):
+    from txn_engine.settings import WarehouseSettings
+    from txn_engine.warehouse import Warehouse
+
+    built: dict[str, Path] = {}
+
+    def root_of(name: str, build) -> Path:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"prepared-{name}")
+            build(Warehouse(spark, WarehouseSettings(warehouse=str(folder / "warehouse"))), folder)
+            built[name] = folder / "warehouse"
+        return built[name]
+
+    return root_of
+
+
+@pytest.fixture
+def prepared(_prepared_roots, warehouse_root: Path, warehouse):
+    """`prepared(name, build)`: this test's warehouse, starting as a copy of the one `build(warehouse,
+    folder)` made the first time `name` was asked for in this run. For tests that start from the same
+    ingested (derived, offloaded) history: Spark and Delta's fixed cost per write is what makes the
+    suite slow, and a Delta table (its log holds relative paths) copies as a folder."""
+
+    def copy(name: str, build):
+        shutil.copytree(_prepared_roots(name, build), warehouse_root, dirs_exist_ok=True)
+        return warehouse
+
+    return copy
 
 
 @pytest.fixture

@@ -156,12 +156,16 @@ class Crash(Exception):
 
 
 @pytest.mark.parametrize("crash_after", [COMMITTED_ENTRIES, "buffer_sequence_ranges"])
-def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, warehouse, crash_after):
+def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, crash_after):
     first = [e(1, 0, txn=T1), e(1, 1), e(1, 2, txn=T2, producer=4, seq=0)]
     later = [e(2, 0, "COMMIT", T1), e(2, 1, txn=T2, producer=4, seq=0), e(2, 2, "COMMIT", T2), e(2, 3)]
-    append(warehouse, spark, first)
-    refresh(warehouse)
-    append(warehouse, spark, later)
+
+    def refreshed_then_later(wh, _folder):
+        append(wh, spark, first)
+        refresh(wh)
+        append(wh, spark, later)
+
+    warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later)
 
     def crash(table: str) -> None:
         if table == crash_after:

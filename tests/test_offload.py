@@ -39,6 +39,12 @@ def ingest(warehouse, tmp_path, rows, name="h.jsonl"):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / name, rows))])
 
 
+@pytest.fixture
+def history(prepared):
+    """A warehouse holding HISTORY, ingested."""
+    return prepared("offload-history", lambda wh, folder: ingest(wh, folder, HISTORY))
+
+
 def tier_positions(warehouse):
     return sorted((r.topic, r.ledger_id, r.entry_id) for r in warehouse.read(OFFLOADED_ENTRIES).collect())
 
@@ -54,8 +60,8 @@ def states(warehouse):
 EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
 
 
-def test_eligibility_filtered_copy_and_manifest(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
+    warehouse = history
     result = offload_ledgers(warehouse)
     # Ledger 5 ends exactly at its topic's stable position (5:1); ledgers 2 and 3 wait for D.
     assert sorted(result.offloaded) == [("t", 1), ("u", 5)]
@@ -83,10 +89,10 @@ def test_eligibility_filtered_copy_and_manifest(warehouse, tmp_path):
     assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
 
 
-def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(warehouse, tmp_path):
+def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(history, tmp_path):
+    warehouse = history
     # The manifest is counted from the rows as they were written, not read back: check it
     # against the tier's rows, and the "before" figures against the hot ledger's.
-    ingest(warehouse, tmp_path, HISTORY)
     ingest(warehouse, tmp_path, COMMIT_D, "more.jsonl")
     offload_ledgers(warehouse)
     tier = {
@@ -109,8 +115,8 @@ def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(war
             m["dropped_duplicates"] + m["dropped_other"]
 
 
-def test_ledgers_become_eligible_when_the_ongoing_transaction_commits(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_ledgers_become_eligible_when_the_ongoing_transaction_commits(history, tmp_path):
+    warehouse = history
     offload_ledgers(warehouse)
     ingest(warehouse, tmp_path, COMMIT_D, "more.jsonl")
     result = offload_ledgers(warehouse)
@@ -159,8 +165,8 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     assert offload_ledgers(warehouse).facts_from == FROM_LEDGER_ENTRIES
 
 
-def test_offload_twice_leaves_the_same_rows(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_offload_twice_leaves_the_same_rows(history, tmp_path):
+    warehouse = history
     first = offload_ledgers(warehouse)
     manifest = manifest_rows(warehouse)
     again = offload_ledgers(warehouse, ledger_ids=[1, 5])
@@ -170,15 +176,15 @@ def test_offload_twice_leaves_the_same_rows(warehouse, tmp_path):
     assert len(first.manifest) == 2
 
 
-def test_only_the_requested_ledgers_are_offloaded(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_only_the_requested_ledgers_are_offloaded(history, tmp_path):
+    warehouse = history
     result = offload_ledgers(warehouse, ledger_ids=[5, 7])
     assert result.offloaded == [("u", 5)] and set(result.waiting) == {("u", 7)}
     assert tier_positions(warehouse) == [("u", 5, 0), ("u", 5, 1)]
 
 
-def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(history, tmp_path):
+    warehouse = history
     with pytest.raises(Crash):
         offload_ledgers(warehouse, crash_hook=crash_at(AFTER_ENTRIES))
     assert tier_positions(warehouse) == EXPECTED_TIER  # the entries are there ...
@@ -193,8 +199,8 @@ def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(warehouse
     assert states(warehouse)[("t", 1)] == "OFFLOADED"
 
 
-def test_crash_between_manifest_and_state_is_finished(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY)
+def test_crash_between_manifest_and_state_is_finished(history, tmp_path):
+    warehouse = history
     with pytest.raises(Crash):
         offload_ledgers(warehouse, crash_hook=crash_at(AFTER_MANIFEST))
     assert set(manifest_rows(warehouse)) == {("t", 1), ("u", 5)}

@@ -25,23 +25,13 @@ def offload_history(warehouse, tmp_path):
     return warehouse
 
 
-@pytest.fixture(scope="module")
-def shared(spark, tmp_path_factory):
-    """One offloaded warehouse for the tests that only read it."""
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
-
-    root = tmp_path_factory.mktemp("reader")
-    return offload_history(Warehouse(spark, WarehouseSettings(warehouse=str(root / "warehouse"))), root)
-
-
 @pytest.fixture
-def offloaded(warehouse, tmp_path):
-    return offload_history(warehouse, tmp_path)
+def offloaded(prepared):
+    return prepared("reader-offloaded", offload_history)
 
 
-def test_read_across_the_hot_cold_boundary_equals_the_reference(shared):
-    reader = TopicReader(shared)
+def test_read_across_the_hot_cold_boundary_equals_the_reference(offloaded):
+    reader = TopicReader(offloaded)
     got = positions(reader.read("t"))
     assert got == [(1, 0, "cold"), (1, 1, "cold"), (2, 0, "hot"), (2, 1, "hot")]
     assert [(l, e) for l, e, _ in got] == oracle_read(HISTORY, "t")
@@ -50,15 +40,15 @@ def test_read_across_the_hot_cold_boundary_equals_the_reference(shared):
 
 
 @pytest.mark.parametrize("start", [Position(1, 2), Position(1, 3), Position(1, 4), Position(1, 99)])
-def test_a_filtered_start_position_skips_to_the_next_kept_entry(shared, start):
+def test_a_filtered_start_position_skips_to_the_next_kept_entry(offloaded, start):
     # 1:2 is aborted data, 1:3 and 1:4 markers, 1:99 past the ledger's end: all start at 2:0.
-    batch = TopicReader(shared).read("t", start, 1)
+    batch = TopicReader(offloaded).read("t", start, 1)
     assert positions(batch) == [(2, 0, "hot")]
     assert batch.next_position == Position(2, 1)
 
 
-def test_reading_batch_by_batch_never_loops(shared):
-    reader, seen, at = TopicReader(shared), [], EARLIEST
+def test_reading_batch_by_batch_never_loops(offloaded):
+    reader, seen, at = TopicReader(offloaded), [], EARLIEST
     for _ in range(10):
         batch = reader.read("t", at, 1)
         if not batch.entries:

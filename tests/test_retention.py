@@ -44,12 +44,15 @@ def read_positions(warehouse, topic):
     return [(e.ledger_id, e.entry_id) for e in TopicReader(warehouse).read(topic).entries]
 
 
-@pytest.fixture
-def offloaded(warehouse, tmp_path):
-    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", FULL))])
+def offload_full(warehouse, folder):
+    ingest_files(warehouse, [str(write_jsonl(folder / "h.jsonl", FULL))])
     derive_buffer_tables(warehouse)
     assert sorted(offload_ledgers(warehouse).offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
-    return warehouse
+
+
+@pytest.fixture
+def offloaded(prepared):
+    return prepared("retention-offloaded", offload_full)
 
 
 def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloaded):
