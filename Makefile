@@ -41,9 +41,10 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 	@echo "Tables (Delta) are under $(TXNLAKE_WAREHOUSE)/<table>."
 	@echo "Open the UI:  make ui   (DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -w workspace.yaml)"
 
-## test: the whole suite on real Spark, Delta and Dagster.
+## test: the whole suite on real Spark, Delta and Dagster (it lists its slowest tests, to keep
+## an eye on the suite's time).
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 ## bench: benchmarks; figures go to stdout and docs/benchmarks.md records them.
 bench: setup
