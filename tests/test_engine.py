@@ -20,6 +20,8 @@ from txn_engine.schema import (
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
+from txn_engine.settings import WarehouseSettings
+from txn_engine.txn_admin import operator_abort
 from txn_engine.txn_errors import (
     EngineLockedError,
     EngineStoppedError,
@@ -29,6 +31,7 @@ from txn_engine.txn_errors import (
     ProducerFencedError,
     TransactionAbortedError,
 )
+from txn_engine.warehouse import Warehouse
 
 
 class Clock:
@@ -230,11 +233,49 @@ def test_timeout_abort_and_the_late_commit(warehouse):
             p.commit()
         with pytest.raises(TransactionAbortedError):
             p.send("t", b"more")
+        assert txn in engine.coordinator.txns  # kept until its producer has heard why
         p.abort()  # clears the aborted transaction
+        assert txn not in engine.coordinator.txns
         p.begin()
         p.send("t", b"next")
         p.commit()
         assert payloads(engine, "t") == [b"next"]
+
+
+def test_finished_transactions_leave_no_state_behind(warehouse, tmp_path):
+    # Kafka's coordinator keeps state per transactional id, not per finished transaction: memory
+    # (and the garbage collector's work) must not grow with every transaction that passes.
+    import gc
+    import sys
+
+    before = (gc.get_threshold(), sys.getswitchinterval())
+    with Engine(warehouse) as engine:
+        assert gc.get_threshold()[0] >= 20_000 and sys.getswitchinterval() <= 0.001
+        other = Engine(Warehouse(None, WarehouseSettings(warehouse=str(tmp_path / "other"))))
+        other.close()
+        other.close()  # twice: harmless
+        assert gc.get_threshold()[0] >= 20_000  # still tuned while this engine runs
+        p = engine.producer("busy")
+        p.init_transactions()
+        futures = []
+        for i in range(30):
+            p.begin()
+            p.send("t", b"%d" % i)
+            futures.append(p.commit_async())
+        p.begin()
+        p.send("t", b"dropped").result()  # queued and written: the transaction is in txn_log
+        aborted = p.abort()
+        for future in futures:
+            future.result()
+        assert engine.coordinator.txns == {}
+        with pytest.raises(InvalidTxnStateError, match="COMPLETE_ABORT .*it is decided; nothing to abort"):
+            operator_abort(engine, aborted, "ops", "cleanup")
+        ongoing = p.begin()
+        p.send("t", b"open").result()
+    assert (gc.get_threshold(), sys.getswitchinterval()) == before  # restored at close
+    with Engine(warehouse) as restarted:  # only what is still open is loaded again
+        assert set(restarted.coordinator.txns) == {ongoing}
+        assert len(payloads(restarted, "t")) == 30
 
 
 def test_offsets_land_only_with_a_commit(engine):

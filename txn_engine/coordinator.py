@@ -142,6 +142,8 @@ class TransactionCoordinator:
             identity = self.producers.get(row["transactional_id"] or "")
             if identity is not None and identity.producer_id == row["producer_id"]:
                 identity.txn = txn if TxnStatus(row["state"]) == TxnStatus.ONGOING else None
+            if TxnStatus(row["state"]).is_complete:
+                del self.txns[txn]  # finished: no producer of this engine can refer to it (see `_end`)
         # Ids above everything stored, ingested ledgers included, so none can collide.
         stored_pid = self.tables.column_max(LEDGER_ENTRIES, "producer_id") or 0
         self._next_producer_id = max(max_pid, stored_pid) + 1
@@ -301,6 +303,13 @@ class TransactionCoordinator:
 
         def completed(_positions) -> None:
             t.state = COMPLETE[outcome]
+            if actor == "producer":
+                # Its producer has already let go of it (its next call is begin()): like Kafka's
+                # coordinator, keep state per producer, not per finished transaction, so memory and
+                # the garbage collector's work stay flat however many transactions pass (txn_log
+                # keeps the record). Ended by anyone else, it stays: its producer still has to hear
+                # why. A single dict operation: safe from the committer thread without the lock.
+                self.txns.pop(t.txn, None)
 
         commit = outcome == EntryType.COMMIT
         request = WriteRequest(

@@ -10,16 +10,26 @@ are not engines: they keep writing their tables under the per-table locks.
 While an engine runs, the interpreter switches threads every millisecond at most (instead of
 Python's 5 ms): every acknowledgement waits for the committer, and each time the committer comes
 back from a delta-rs commit it waits for the GIL while producer threads run Python. Measured
-with 8 producer threads: 1.3-1.6x the pipelined throughput. The previous interval is restored at
-close.
+with 8 producer threads: 1.3-1.6x the pipelined throughput.
+
+For the same reason the garbage collector's first generation is collected every 20,000
+allocations instead of every 700 while an engine runs: each send and commit allocates a few
+short-lived containers (futures, rows, batches), so with Python's default the collector ran
+about every 150 messages and, through its older generations, rescanned everything the engine
+keeps. Measured with the engine benchmark's producers (400,000 messages, 128 transactions in
+flight, quiet): the collector's time went from 3.2 s to 0.3-0.4 s a run, throughput up 17%.
+
+Both settings are the process's: set when its first engine starts, restored when its last closes.
 """
 
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import socket
 import sys
+import threading
 from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Callable
@@ -36,6 +46,35 @@ from txn_engine.warehouse import Warehouse
 
 ENGINE_LOCK = "engine"
 GIL_SWITCH_INTERVAL_S = 0.001  # see the module docstring
+GC_FIRST_GENERATION_THRESHOLD = 20_000  # see the module docstring (Python's default: 700)
+
+
+class InterpreterTuning:
+    """The interpreter settings an engine runs with (module docstring), process-wide: set when the
+    first engine of the process starts, restored when the last one closes."""
+
+    _lock = threading.Lock()
+    _engines = 0
+    _saved: tuple[float, tuple[int, ...]] | None = None
+
+    @classmethod
+    def engine_started(cls) -> None:
+        with cls._lock:
+            if cls._engines == 0:
+                cls._saved = (sys.getswitchinterval(), gc.get_threshold())
+                interval, thresholds = cls._saved
+                sys.setswitchinterval(min(interval, GIL_SWITCH_INTERVAL_S))
+                gc.set_threshold(max(thresholds[0], GC_FIRST_GENERATION_THRESHOLD), *thresholds[1:])
+            cls._engines += 1
+
+    @classmethod
+    def engine_closed(cls) -> None:
+        with cls._lock:
+            cls._engines -= 1
+            if cls._engines == 0 and cls._saved is not None:
+                interval, thresholds = cls._saved
+                sys.setswitchinterval(interval)
+                gc.set_threshold(*thresholds)
 
 
 def utc_now() -> datetime:
@@ -89,12 +128,12 @@ class Engine:
             self.coordinator = TransactionCoordinator(self.tables, self.writer, clock, txn_groups)
             self.sequences = ProducerStateManager(self.tables)
             self.recovered: list[TxnId] = self.coordinator.recover()
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._switch_interval, GIL_SWITCH_INTERVAL_S))
             self.writer.start()
         except BaseException:
             self._lock.release()
             raise
+        self._closed = False
+        InterpreterTuning.engine_started()
 
     # -- producers ---------------------------------------------------------------------------
 
@@ -145,9 +184,12 @@ class Engine:
 
     def close(self) -> None:
         """Stop accepting writes, finish the queued ones, release the warehouse."""
+        if self._closed:
+            return
+        self._closed = True
         self.writer.stop()
         self._lock.release()
-        sys.setswitchinterval(self._switch_interval)
+        InterpreterTuning.engine_closed()
 
     def __enter__(self) -> "Engine":
         return self

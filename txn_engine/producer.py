@@ -363,7 +363,9 @@ class TransactionalProducer:
                     coordinator.require_ongoing(t)
                     future = coordinator.end_txn(txn, EntryType.ABORT, "producer")
                 except TransactionAbortedError:
-                    pass  # already aborted by the coordinator or an operator: nothing left to do
+                    # Aborted by the coordinator or an operator: nothing left to do, and now that its
+                    # producer knows, the coordinator can forget it (see TransactionCoordinator._end).
+                    coordinator.txns.pop(txn, None)
         if future is not None:
             future.result()
         self.txn, self._sends = None, []

@@ -175,6 +175,13 @@ def operator_abort(engine, txn: TxnId, who: str, why: str) -> TxnInfo:
         engine.coordinator.end_txn(txn, EntryType.ABORT, actor, why).result()
         return TxnAdmin(engine.tables).describe(txn)
     info = TxnAdmin(engine.tables).describe(txn)
+    if info.source == "txn_log" and info.state in (TxnStatus.COMPLETE_COMMIT, TxnStatus.COMPLETE_ABORT):
+        # The coordinator keeps no finished transaction in memory: txn_log says how it ended.
+        last = info.history[-1]
+        raise InvalidTxnStateError(
+            f"transaction {txn} is {info.state} ({last['actor']}: {last['reason'] or 'no reason'}); "
+            "it is decided; nothing to abort."
+        )
     committed = [p.topic for p in info.parts if p.state == TxnState.COMMITTED]
     ongoing = [p.topic for p in info.parts if p.state == TxnState.ONGOING]
     if committed and not ongoing:
