@@ -110,6 +110,7 @@ class TransactionCoordinator:
         self.clock = clock
         self.groups = groups
         self.lock = threading.RLock()
+        self._producer_locks: dict[int, threading.RLock] = {}
         self.producers: dict[str, ProducerIdentity] = {}
         self.txns: dict[TxnId, Transaction] = {}
         self._log_seq = 0
@@ -181,6 +182,15 @@ class TransactionCoordinator:
         return offsets.filter(mask).num_rows > 0
 
     # -- producers ---------------------------------------------------------------------------
+
+    def producer_lock(self, producer_id: int) -> threading.RLock:
+        """The lock of one producer id's sends and batch, shared by the instances of a transactional id
+        (they share sequence numbers). A send takes only this one: with one lock for every producer,
+        8 producer threads queued on it for each message. Whatever changes transaction state takes
+        `lock` too, always after this one, and checks again there (`flush`), so a send accepted just
+        before its producer was fenced or its transaction aborted is never written."""
+        with self.lock:
+            return self._producer_locks.setdefault(producer_id, threading.RLock())
 
     def new_producer_id(self) -> int:
         with self.lock:

@@ -154,7 +154,7 @@ class Engine:
 
     def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, batch, flush,
                        txn: TxnId | None = None) -> SendFuture:
-        """The de-duplicating send path, into the producer's batch; call under `coordinator.lock`."""
+        """The de-duplicating send path, into the producer's batch; call under its `coordinator.producer_lock`."""
         if sequence is None:
             seq = self.sequences.next_sequence(producer_id, topic)
         else:

@@ -9,6 +9,7 @@ once) or leaves a gap (refused, nothing written).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Mapping
@@ -172,19 +173,20 @@ class IdempotentProducer:
         self.producer_id = producer_id
         self.epoch = epoch
         self._batch = SendAccumulator()
+        self._lock = engine.coordinator.producer_lock(producer_id)
 
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry; `sequence` (default: the next one) makes a retry safe."""
         _check_topic(topic)
         payload = _payload(value)
-        with self.engine.coordinator.lock:
+        with self._lock:
             return self.engine.sequenced_send(
                 self.producer_id, self.epoch, topic, payload, key, sequence, self._batch, self.flush
             )
 
     def flush(self) -> None:
         """Queue the sends held back in this producer's batch (waiting on a send does it too)."""
-        with self.engine.coordinator.lock:
+        with self._lock:
             request = self._batch.take()
             if request is not None:
                 self.engine.writer.submit(request)
@@ -207,11 +209,13 @@ class TransactionalProducer:
         self.txn: TxnId | None = None
         self._sends: list[Future] = []  # queued batches of the open transaction
         self._batch = SendAccumulator()
+        self._lock = threading.RLock()  # its producer id's lock once initialized (see `producer_lock`)
 
     def init_transactions(self) -> tuple[int, int]:
         """Register this instance: same producer id as before, epoch + 1; fences older instances."""
         identity = self.engine.coordinator.init_producer(self.transactional_id, self.timeout_ms)
         self.producer_id, self.epoch, self.txn = identity.producer_id, identity.epoch, None
+        self._lock = self.engine.coordinator.producer_lock(identity.producer_id)
         return identity.producer_id, identity.epoch
 
     def _identity(self) -> ProducerIdentity:
@@ -231,7 +235,7 @@ class TransactionalProducer:
 
     def begin(self) -> TxnId:
         """Open a transaction; its id is (transaction group, the group's next sequence)."""
-        with self.engine.coordinator.lock:
+        with self._lock, self.engine.coordinator.lock:
             identity = self._identity()
             if self.txn is not None:
                 raise InvalidTxnStateError(
@@ -247,7 +251,7 @@ class TransactionalProducer:
         _check_topic(topic)
         payload = _payload(value)
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock:  # not the coordinator's: `flush` checks again under it, in queue order
             identity = self._identity()
             txn = self._open_txn()
             t = coordinator.txns.get(txn)
@@ -263,7 +267,7 @@ class TransactionalProducer:
         The checks happen here, in queue order: a producer fenced or a transaction aborted since
         the sends were accepted gets its sends failed, and nothing of them is written."""
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             request = self._batch.take()
             if request is None:
                 return
@@ -288,7 +292,7 @@ class TransactionalProducer:
             ledger_id, entry_id = Position(*position)
             rows.append({"group_id": group, "topic": topic, "ledger_id": int(ledger_id), "entry_id": int(entry_id)})
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             identity = self._identity()
             txn = self._open_txn()
             coordinator.ensure_txn(identity, txn)  # offsets alone still make a transaction
@@ -301,7 +305,7 @@ class TransactionalProducer:
     def commit(self) -> TxnId:
         """Make every send of the transaction readable, on all its topics, or (on error) none."""
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
             self.flush()
@@ -311,7 +315,7 @@ class TransactionalProducer:
                 f"a send of transaction {txn} failed ({failed}); the transaction cannot commit. Call abort(), "
                 "then begin() again and resend."
             ) from failed
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             self._identity()  # fenced while flushing?
             t = coordinator.txns.get(txn)
             future = None
@@ -328,7 +332,7 @@ class TransactionalProducer:
         producer keeps many transactions in flight. A crash before the future resolves leaves the
         transaction in doubt: recovery commits it on every topic if it was prepared, else on none."""
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
             self.flush()
@@ -345,7 +349,7 @@ class TransactionalProducer:
     def abort(self) -> TxnId | None:
         """Abort the open transaction: ABORT markers on its topics; nothing of it is ever read."""
         coordinator = self.engine.coordinator
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
             dropped = self._batch.take()
@@ -354,7 +358,7 @@ class TransactionalProducer:
                     TransactionAbortedError(f"transaction {txn} was aborted before this send was written")
                 )
         self._wait_sends()
-        with coordinator.lock:
+        with self._lock, coordinator.lock:
             self._identity()
             t = coordinator.txns.get(txn)
             future = None
