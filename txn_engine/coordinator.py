@@ -135,16 +135,18 @@ class TransactionCoordinator:
                 continue
             txn = TxnId(row["txn_most_bits"], row["txn_least_bits"])
             self._next_txn_seq[group] = max(self._next_txn_seq.get(group, 0), txn.least_bits + 1)
-            self.txns[txn] = Transaction(
-                txn, row["transactional_id"], row["producer_id"], row["producer_epoch"], row["timeout_ms"],
-                row["txn_started_at"], TxnStatus(row["state"]), list(row["topics"]), list(row["offsets"] or []),
-                row["actor"], row["reason"], row["recorded_at"],
-            )
+            state = TxnStatus(row["state"])
+            if state.is_complete:
+                self.txns.pop(txn, None)  # finished: no producer of this engine can refer to it (see `_end`)
+            else:
+                self.txns[txn] = Transaction(
+                    txn, row["transactional_id"], row["producer_id"], row["producer_epoch"], row["timeout_ms"],
+                    row["txn_started_at"], state, list(row["topics"]), list(row["offsets"] or []),
+                    row["actor"], row["reason"], row["recorded_at"],
+                )
             identity = self.producers.get(row["transactional_id"] or "")
             if identity is not None and identity.producer_id == row["producer_id"]:
-                identity.txn = txn if TxnStatus(row["state"]) == TxnStatus.ONGOING else None
-            if TxnStatus(row["state"]).is_complete:
-                del self.txns[txn]  # finished: no producer of this engine can refer to it (see `_end`)
+                identity.txn = txn if state == TxnStatus.ONGOING else None
         # Ids above everything stored, ingested ledgers included, so none can collide.
         stored_pid = self.tables.column_max(LEDGER_ENTRIES, "producer_id") or 0
         self._next_producer_id = max(max_pid, stored_pid) + 1
