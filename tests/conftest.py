@@ -11,10 +11,10 @@ import pytest
 # Sized for the suite on 2 cores: small shuffles, a modest heap (TXNLAKE_TEST_DRIVER_MEMORY
 # lowers it when several suites share the machine).
 # The suite is thousands of tiny Spark jobs in one JVM, CPU-bound on the JVM's own work, not on
-# data: the JIT compiled ~37,000 methods (40% of the JVM's CPU) and Spark regenerated code its
-# cache of 100 had evicted. Fewer, later JIT compilations, Spark's code kept, and the
-# throughput collector: a buffer and a snapshot slice of the suite ran 25% faster (1.4-1.6x less
-# JVM CPU), measured side by side in docs/benchmarks.md. Tests only: big jobs want the defaults.
+# data: the JIT compiled ~37,000 methods (40% of a fresh JVM's CPU) and Spark regenerated code
+# its cache of 100 had evicted. Fewer, later JIT compilations, Spark's code kept, the throughput
+# collector: a buffer and a snapshot slice in a fresh JVM ran 25% faster (1.4-1.6x less JVM CPU);
+# in the whole suite the slowest tests ~10% (docs/benchmarks.md). Tests only: big jobs keep the defaults.
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC -XX:CompileThresholdScaling=10",
