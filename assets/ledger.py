@@ -7,6 +7,7 @@ from pydantic import Field
 from assets.metadata import table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
+from txn_engine.delta_io import overwrite_small
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
@@ -76,7 +77,7 @@ def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: War
     wh = warehouse.open(spark.session())
     catalog = current_ledger_catalog(wh).cache()
     try:
-        wh.overwrite(LEDGERS, catalog)
+        overwrite_small(wh, LEDGERS, catalog)  # a row per ledger
         states = {r["state"]: r["n"] for r in catalog.groupBy("state").count().withColumnRenamed("count", "n").collect()}
         rows = sum(states.values())
     finally:

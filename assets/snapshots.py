@@ -36,6 +36,7 @@ from pyspark.sql import functions as F
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
+from txn_engine.delta_io import overwrite_small
 from txn_engine.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
@@ -102,7 +103,7 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
     summary = write_snapshots(wh, due, segment_config)
     compaction = compact_segments(wh, config.vacuum_retention_hours) if config.compact and wh.exists(TXN_SNAPSHOT_SEGMENTS) else None
     states = snapshot_states(entries, read_segments(wh), triggers)
-    wh.overwrite(TXN_SNAPSHOT_STATE, states)
+    overwrite_small(wh, TXN_SNAPSHOT_STATE, states)  # a row per topic
     stored = wh.read(TXN_SNAPSHOT_STATE)
     by_state = {s: 0 for s in SNAPSHOT_STATES}
     by_state.update({r.state: r["count"] for r in stored.groupBy("state").count().collect()})

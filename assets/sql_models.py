@@ -5,6 +5,7 @@ from dagster import AssetExecutionContext, AssetsDefinition, MaterializeResult, 
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
+from txn_engine.delta_io import overwrite_small
 from txn_engine.sql_models import SqlModel, discover_models, run_model
 
 GROUP = "sql_models"
@@ -22,7 +23,7 @@ def sql_model_asset(model: SqlModel) -> AssetsDefinition:
         wh = warehouse.open(spark.session())
         result = run_model(wh, model).cache()
         try:
-            wh.overwrite(model.name, result)
+            overwrite_small(wh, model.name, result)  # aggregates: a row per topic or ledger
             rows = result.count()
             preview = markdown_preview(result)
         finally:

@@ -50,7 +50,7 @@ def append(wh, spark, entries: list[LogEntry]) -> None:
 
 def inventory(wh):
     """The catalog as `ledgers` would hold it now (without materializing the asset)."""
-    return derive_ledger_catalog(wh.read(LEDGER_ENTRIES)).select("topic", "ledger_id", "state", "entry_count", "last_entry_id")
+    return derive_ledger_catalog(wh.read(LEDGER_ENTRIES)).select("topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes")
 
 
 def refresh(wh, **kwargs):
@@ -118,7 +118,10 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
 
 # -- named scenarios ---------------------------------------------------------------------------
 
-def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse):
+# Small runs write through the driver (Arrow, delta-rs); big ones from Spark: both paths, same tables.
+@pytest.mark.parametrize("driver_write_max_bytes, written_by", [(1 << 20, "driver"), (0, "spark")])
+def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse, driver_write_max_bytes,
+                                                                                written_by):
     # A transaction spanning ledgers 1 -> 3 (its data in 1 reaches committed_entries from the
     # pending state), a retried send in ledger 3 repeating ledger 1's sequence, a hanging
     # transaction released by ledger 3: the stable position moves and old rows become readable.
@@ -127,16 +130,17 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     later = [e(3, 0, txn=T1, producer=1, seq=0, topic="a"), e(3, 1, txn=T1, topic="a"), e(3, 2, "COMMIT", T1, topic="a"),
              e(3, 3, "ABORT", T2, topic="a"), e(4, 0, topic="b")]
     append(warehouse, spark, first)
-    assert refresh(warehouse).full
+    first_run = refresh(warehouse, driver_write_max_bytes=driver_write_max_bytes)
+    assert (first_run.full, first_run.written_by) == (True, written_by)
     before = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in warehouse.read(STABLE_POSITIONS).collect()}
     assert before == {"a": (1, -1), "b": (2, 0)}
     append(warehouse, spark, later)
-    result = refresh(warehouse)
-    assert (result.full, result.ledgers) == (False, [3, 4])  # ledgers 1 and 2 unchanged: not reread
+    result = refresh(warehouse, driver_write_max_bytes=driver_write_max_bytes)
+    assert (result.full, result.ledgers, result.written_by) == (False, [3, 4], written_by)  # ledgers 1 and 2 unchanged: not reread
     assert result.violations["duplicate"] == 1
     incremental = snapshot(warehouse)
     assert incremental == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
-    assert refresh(warehouse, full=True).full
+    assert refresh(warehouse, full=True, driver_write_max_bytes=driver_write_max_bytes).full
     assert snapshot(warehouse) == incremental
     committed = warehouse.read(COMMITTED_ENTRIES).filter("topic = 'a'").orderBy("visible_ledger_id", "visible_entry_id", "local_seq")
     assert [(r.ledger_id, r.entry_id, r.local_seq, r.in_stable_prefix) for r in committed.collect()] == [
@@ -184,7 +188,7 @@ def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehou
 
     append(warehouse, spark, [e(1, 0), e(1, 1), e(2, 0)])
     record_ledger_states(warehouse, [("t", 1, "DELETED", "retention")])
-    assert sorted(tuple(r) for r in ledger_inventory(warehouse).collect()) == [("t", 2, 1, 0)]
+    assert sorted(tuple(r)[:4] for r in ledger_inventory(warehouse).collect()) == [("t", 2, 1, 0)]
     warehouse.overwrite(LEDGERS, derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES)))
-    assert sorted(tuple(r) for r in ledger_inventory(warehouse).collect()) == [("t", 1, 2, 1), ("t", 2, 1, 0)]
+    assert sorted(tuple(r)[:4] for r in ledger_inventory(warehouse).collect()) == [("t", 1, 2, 1), ("t", 2, 1, 0)]
     assert warehouse.exists(LEDGER_ENTRIES) and not warehouse.exists(BUFFER_LEDGER_TXNS)

@@ -34,6 +34,12 @@ rewritten; `in_stable_prefix` of older rows is updated where the stable position
 Without state (first run) or with `full=True`, the scope is everything and every table is
 overwritten: the same functions, so a full recompute and the incremental path agree.
 
+Who writes: a run whose scope holds at most `DRIVER_WRITE_MAX_BYTES` of entries (every incremental
+run over a few ledgers, a full run of a small log) collects each table it writes as Arrow and
+commits it through delta-rs (`delta_io.overwrite_small`); a bigger run writes from Spark. The
+same frames, predicates and order either way; a Spark Delta write of even ten rows is 5-8 Spark
+jobs, which was most of a small run's time.
+
 Write order, for crash safety: contract tables first (`stable_positions` after the
 `in_stable_prefix` update that it records), `buffer_ledger_txns` last. It is the
 record of what is done: a run stopped before it leaves the scope's ledgers looking unprocessed
@@ -44,7 +50,7 @@ after each table is written (tests inject crashes there).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from delta.tables import DeltaTable
 from pyspark.sql import DataFrame, Window
@@ -71,6 +77,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
+from txn_engine.delta_io import overwrite_small
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -93,6 +100,11 @@ from txn_engine.transaction_buffer import Violation
 from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
+# A run whose scope holds at most this many bytes of entries (the catalog's `size_bytes`) collects
+# each table it writes to the driver as Arrow and commits it through delta-rs: a Spark Delta write
+# costs 5 (overwrite) to 8 (`replaceWhere`) Spark jobs however small the table, which made a
+# small run mostly fixed cost. Bigger runs (a full recompute of a long history) write from Spark.
+DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 # The column that attributes a row to the ledger whose recomputation rewrites it.
 LEDGER_COLUMN = {
     TXN_MARKERS: "ledger_id",
@@ -111,6 +123,7 @@ class BufferRefresh:
 
     full: bool
     ledgers: list[int]  # ledgers whose facts were (re)computed; every ledger when full
+    written_by: str = "spark"  # "spark", or "driver": collected as Arrow and committed through delta-rs
     deleted_ledgers: list[int] = field(default_factory=list)
     recomputed_topics: list[str] = field(default_factory=list)  # whole topics, after a deletion
     violations: dict[str, int] = field(default_factory=dict)  # in the recomputed ledgers
@@ -228,7 +241,7 @@ def ledger_ids_predicate(column: str, ledger_ids: Iterable[int]) -> str:
 
 
 def ledger_inventory(wh: Warehouse) -> DataFrame:
-    """(topic, ledger_id, entry_count, last_entry_id) of every ledger, from the `ledgers` catalog.
+    """(topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger, from the `ledgers` catalog.
 
     The catalog is what the sensor and `txnlake run` refresh before the buffer runs; without one
     it is derived here. DELETED ledgers are gone: retention deletes their rows.
@@ -238,9 +251,13 @@ def ledger_inventory(wh: Warehouse) -> DataFrame:
 
 
 def inventory_of(catalog: DataFrame) -> DataFrame:
-    """The ledgers a catalog says `ledger_entries` holds: (topic, ledger_id, entry_count, last_entry_id). Pure."""
+    """The ledgers a catalog says `ledger_entries` holds: (topic, ledger_id, entry_count, last_entry_id, size_bytes). Pure.
+
+    `size_bytes` only when the catalog has it (the offloader's narrow catalog does not).
+    """
+    sized = ["size_bytes"] if "size_bytes" in catalog.columns else []
     return catalog.filter((F.col("state") != "DELETED") & (F.col("entry_count") > 0)).select(
-        "topic", "ledger_id", "entry_count", "last_entry_id"
+        "topic", "ledger_id", "entry_count", "last_entry_id", *sized
     )
 
 
@@ -248,12 +265,19 @@ def _has_state(wh: Warehouse) -> bool:
     return all(wh.exists(t) for t in (*STATE_TABLES, TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS))
 
 
-def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable[int]) -> tuple[set[int], set[int], set[str]]:
-    """(ledgers to recompute, deleted ledgers, topics recomputed whole) from the catalog and the state.
+class ScopePlan(NamedTuple):
+    ledgers: set[int]  # to recompute
+    deleted: set[int]  # in the state, gone from the catalog
+    topics: set[str]  # recomputed whole (they lost a ledger)
+    size_bytes: int  # of the entries of `ledgers`, per the catalog (0 when the inventory has no size_bytes)
 
-    `inventory`: (topic, ledger_id, entry_count, last_entry_id) of every ledger `ledger_entries`
-    holds; `ledger_txns`: the persisted `buffer_ledger_txns`. Both are folded to one row per
-    ledger and collected once (a few thousand rows), so the plan costs two small jobs.
+
+def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable[int]) -> ScopePlan:
+    """The ledgers to recompute, the deleted ledgers and the topics recomputed whole, from the catalog and the state.
+
+    `inventory`: (topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger
+    `ledger_entries` holds; `ledger_txns`: the persisted `buffer_ledger_txns`. Both are folded to
+    one row per ledger and collected once (a few thousand rows), so the plan costs two small jobs.
     """
     known = {
         (r.topic, r.ledger_id): (r.entry_count, r.last_entry_id)
@@ -261,14 +285,17 @@ def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable
         .agg(F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id"))
         .collect()
     }
-    now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in inventory.collect()}
+    rows = inventory.collect()
+    now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in rows}
     changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
     gone = [key for key in known if key not in now]
     deleted = {ledger for _, ledger in gone}
     topics = {topic for topic, _ in gone}
     wanted = set(int(i) for i in requested) & {ledger for _, ledger in now}
     whole_topics = {ledger for topic, ledger in now if topic in topics}
-    return wanted | changed | whole_topics, deleted, topics
+    scope = wanted | changed | whole_topics
+    sized = "size_bytes" in inventory.columns  # the offloader plans without it (it reads no payload)
+    return ScopePlan(scope, deleted, topics, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0)
 
 
 def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, stable_rows) -> DataFrame:
@@ -299,11 +326,13 @@ def refresh_buffer(
     ledgers: Iterable[int] = (),
     full: bool = False,
     after_write: Callable[[str], None] | None = None,
+    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
 ) -> BufferRefresh:
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
-    `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id) per ledger
-    that `ledger_entries` holds (the `ledgers` table without its DELETED rows).
+    `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id, size_bytes)
+    per ledger that `ledger_entries` holds (the `ledgers` table without its DELETED rows). A run
+    over at most `driver_write_max_bytes` of entries writes through the driver (`DRIVER_WRITE_MAX_BYTES`).
     """
     entries_all = wh.read(LEDGER_ENTRIES)
     require_ledger_entries(entries_all)
@@ -315,10 +344,11 @@ def refresh_buffer(
         entries = entries_all
         kept_state = None
         old_stable = None
+        size_bytes = inventory.agg(F.sum("size_bytes")).first()[0] or 0
     else:
         old_stable = wh.read(STABLE_POSITIONS).collect()
         state = wh.read(BUFFER_LEDGER_TXNS)
-        scope, deleted, topics = plan_scope(inventory, state, ledgers)
+        scope, deleted, topics, size_bytes = plan_scope(inventory, state, ledgers)
         if not scope and not deleted:
             return BufferRefresh(full=False, ledgers=[])
         replaced = sorted(scope | deleted)
@@ -344,7 +374,8 @@ def refresh_buffer(
     stable = stable_from_facts(facts).cache()
     cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
     try:
-        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write)
+        driver = size_bytes <= driver_write_max_bytes
+        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write, driver)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
         counts = scoped_violations(facts, scope_ledger_txns).agg(*[F.sum(v).alias(v) for v in VIOLATIONS]).first()
@@ -355,16 +386,19 @@ def refresh_buffer(
             frame.unpersist()
 
 
-def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write) -> BufferRefresh:
+def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write,
+           driver: bool) -> BufferRefresh:
     full = kept_state is None
     replaced = sorted(scope | deleted)
     in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
 
-    def write(table: str, frame: DataFrame) -> None:
-        if full:
-            wh.overwrite(table, frame)
+    def write(table: str, frame: DataFrame, whole: bool = full) -> None:
+        # Both predicates are plain SQL that Spark and delta-rs read alike.
+        where = None if whole else ledger_ids_predicate(LEDGER_COLUMN[table], replaced)
+        if driver:
+            overwrite_small(wh, table, frame, predicate=where)
         else:
-            wh.overwrite(table, frame, replace_where=ledger_ids_predicate(LEDGER_COLUMN[table], replaced))
+            wh.overwrite(table, frame, replace_where=where)
         if after_write:
             after_write(table)
 
@@ -389,16 +423,14 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
             after_write("in_stable_prefix")
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
     # older rows agrees with, so a run stopped before this line moves them next time.
-    wh.overwrite(STABLE_POSITIONS, stable)
-    if after_write:
-        after_write(STABLE_POSITIONS)
+    write(STABLE_POSITIONS, stable, whole=True)
     # State last, buffer_ledger_txns the very last: it records what is done.
     write(BUFFER_PENDING_ENTRIES, pending_entries(facts.entries, facts.duplicates, scope_ledger_txns))
     write(BUFFER_DUPLICATES, conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA))
     write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS), facts.duplicates))
     write(BUFFER_LEDGER_TXNS, scope_ledger_txns)
     ledgers = sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full else sorted(scope)
-    return BufferRefresh(full=full, ledgers=ledgers)
+    return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark")
 
 
 def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int]) -> None:

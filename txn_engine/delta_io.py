@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import PostCommitHookProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
@@ -42,6 +43,11 @@ _ARROW_TYPES = {
     T.BooleanType: pa.bool_(),
     T.BinaryType: pa.binary(),
     T.TimestampType: pa.timestamp("us", tz="UTC"),
+    T.DoubleType: pa.float64(),
+    T.FloatType: pa.float32(),
+    T.ShortType: pa.int16(),
+    T.ByteType: pa.int8(),
+    T.DateType: pa.date32(),
 }
 
 
@@ -50,6 +56,8 @@ def arrow_type(data_type: T.DataType) -> pa.DataType:
         return pa.list_(arrow_type(data_type.elementType))
     if isinstance(data_type, T.MapType):
         return pa.map_(arrow_type(data_type.keyType), arrow_type(data_type.valueType))
+    if isinstance(data_type, T.DecimalType):
+        return pa.decimal128(data_type.precision, data_type.scale)
     if isinstance(data_type, T.StructType):
         return pa.struct([arrow_field(f) for f in data_type.fields])
     return _ARROW_TYPES[type(data_type)]
@@ -62,6 +70,12 @@ def arrow_field(field: T.StructField) -> pa.Field:
 def arrow_schema(schema: T.StructType) -> pa.Schema:
     """The Arrow schema of a table contract schema (schema.py stays the one definition)."""
     return pa.schema([arrow_field(f) for f in schema.fields])
+
+
+def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None) -> int:
+    """Write a result small enough for the driver (a row per ledger or topic, a small run's tables)
+    as `DeltaTables.overwrite` does: collected as Arrow in one Spark job, committed by delta-rs."""
+    return DeltaTables(warehouse).overwrite(table, frame.toArrow(), frame.schema, predicate)
 
 
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
@@ -140,6 +154,25 @@ class DeltaTables:
         stats[0] += 1
         stats[1] += time.perf_counter() - started
         stats[2] += data.num_rows
+        return data.num_rows
+
+    def overwrite(self, table: str, data: pa.Table, schema: T.StructType, predicate: str | None = None) -> int:
+        """Replace the table (or only its rows matching `predicate`, delta-rs SQL) with `data` in one Delta commit.
+
+        The driver's way to write a small result: one commit in ~10-50 ms, where Spark's Delta
+        writer runs 5 (overwrite) to 8 (`replaceWhere`) Spark jobs for a table of ten rows.
+        """
+        data = data.select(schema.fieldNames())
+        target = arrow_schema(schema)
+        if data.schema != target:
+            data = data.cast(target)
+        path = self.warehouse.path(table)
+        with self.warehouse.writer(table):
+            if predicate is None or not self.exists(table):
+                retry_delta_conflicts(lambda: write_deltalake(path, data, mode="overwrite", schema_mode="overwrite"))
+            else:
+                retry_delta_conflicts(lambda: write_deltalake(path, data, mode="overwrite", predicate=predicate))
+            self._writers.pop(table, None)  # an append handle would first have to read this commit
         return data.num_rows
 
     def _write(self, table: str, data: pa.Table) -> None:

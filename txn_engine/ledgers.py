@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
@@ -14,6 +16,7 @@ from txn_engine.schema import (
     LEDGER_STATES_SCHEMA,
     LEDGERS_SCHEMA,
 )
+from txn_engine.delta_io import DeltaTables
 from txn_engine.warehouse import Warehouse
 
 
@@ -69,10 +72,9 @@ def record_ledger_states(warehouse: Warehouse, transitions: list[tuple[str, int,
             raise ValueError(f"ledger {topic}/{ledger_id}: unknown state {state!r}; use one of {', '.join(LEDGER_STATES)}")
     if not transitions:
         return
-    rows = warehouse.spark.createDataFrame(
-        [(t, int(l), s, r) for t, l, s, r in transitions], "topic string, ledger_id long, state string, reason string"
-    ).withColumn("recorded_at", F.current_timestamp())
-    warehouse.append(LEDGER_STATES_LOG, rows.select(*[F.col(f.name).cast(f.dataType) for f in LEDGER_STATES_SCHEMA.fields]))
+    now = datetime.now(timezone.utc)
+    rows = [{"topic": t, "ledger_id": int(l), "state": s, "reason": r, "recorded_at": now} for t, l, s, r in transitions]
+    DeltaTables(warehouse).append(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, rows)  # as the engine does: no Spark job
 
 
 def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:

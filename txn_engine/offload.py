@@ -293,7 +293,7 @@ def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tupl
         # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
         # duplicates in either version.
         ledger_txns = _as_of_now(wh, BUFFER_LEDGER_TXNS)
-        changed, deleted, _ = plan_scope(inventory_of(catalog), ledger_txns, ())
+        changed, deleted, _, _ = plan_scope(inventory_of(catalog), ledger_txns, ())
         if not changed and not deleted:
             ledger_txns = ledger_txns.cache()
             duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()

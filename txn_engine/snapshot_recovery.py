@@ -26,7 +26,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import NARROW_COLUMNS
@@ -45,7 +45,7 @@ from txn_engine.schema import (
 from txn_engine.snapshot_jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshots import END_SUFFIX, Source
 from txn_engine.transaction_buffer import EntryType, LogEntry, TopicTransactionBuffer, TxnId
-from txn_engine.warehouse import Warehouse, retry_delta_conflicts
+from txn_engine.warehouse import Warehouse
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)
 RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
@@ -382,8 +382,5 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
                 reason = index[r["topic"]].fallback_reason if r["topic"] in index else "no snapshot yet"
                 rows.append({**r, "snapshot_id": None, "source": Source.FULL_REPLAY.value, "fallback_reason": reason})
     with _step(seconds, "write"):
-        result = recovered_table(rows)
-        path = warehouse.path(RECOVERED_BUFFER_STATE)
-        with warehouse.writer(RECOVERED_BUFFER_STATE):
-            retry_delta_conflicts(lambda: write_deltalake(path, result, mode="overwrite", schema_mode="overwrite"))
+        tables.overwrite(RECOVERED_BUFFER_STATE, recovered_table(rows), RECOVERED_BUFFER_STATE_SCHEMA)
     return RecoverySummary("driver", len(rows), sum(r["replayed_entries"] for r in rows), others, seconds)
