@@ -52,8 +52,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple
 
+import pyarrow as pa
 from delta.tables import DeltaTable
-from pyspark.sql import DataFrame, Window
+from pyspark.sql import DataFrame, Row, Window
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import (
@@ -77,7 +78,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import overwrite_small
+from txn_engine.delta_io import DeltaTables, overwrite_small
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -94,12 +95,14 @@ from txn_engine.schema import (
     LEDGERS,
     POSITION_COLUMNS,
     STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
 )
 from txn_engine.transaction_buffer import Violation
 from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
+LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
 # A run whose scope holds at most this many bytes of entries (the catalog's `size_bytes`) collects
 # each table it writes to the driver as Arrow and commits it through delta-rs: a Spark Delta write
 # costs 5 (overwrite) to 8 (`replaceWhere`) Spark jobs however small the table, which made a
@@ -272,19 +275,32 @@ class ScopePlan(NamedTuple):
     size_bytes: int  # of the entries of `ledgers`, per the catalog (0 when the inventory has no size_bytes)
 
 
-def plan_scope(inventory: DataFrame, ledger_txns: DataFrame, requested: Iterable[int]) -> ScopePlan:
+LedgerCounts = dict[tuple[str, int], tuple[int, int]]  # (topic, ledger_id) -> (entry_count, last_entry_id)
+
+
+def state_ledger_counts(ledger_txns: DataFrame | pa.Table) -> LedgerCounts:
+    """What `buffer_ledger_txns` says each ledger holds, folded to one row per ledger.
+
+    From Arrow (the table read by delta-rs: no Spark job) or from a DataFrame (a version the
+    caller pinned, as the offloader does).
+    """
+    if isinstance(ledger_txns, pa.Table):
+        folded = ledger_txns.group_by(["topic", "ledger_id"]).aggregate([("entry_count", "sum"), ("last_entry_id", "max")])
+        columns = [folded.column(c).to_pylist() for c in ("topic", "ledger_id", "entry_count_sum", "last_entry_id_max")]
+        return {(t, ledger): (n, last) for t, ledger, n, last in zip(*columns)}
+    folded = ledger_txns.groupBy("topic", "ledger_id").agg(
+        F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id")
+    )
+    return {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in folded.collect()}
+
+
+def plan_scope(inventory: DataFrame, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:
     """The ledgers to recompute, the deleted ledgers and the topics recomputed whole, from the catalog and the state.
 
     `inventory`: (topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger
-    `ledger_entries` holds; `ledger_txns`: the persisted `buffer_ledger_txns`. Both are folded to
-    one row per ledger and collected once (a few thousand rows), so the plan costs two small jobs.
+    `ledger_entries` holds, collected once (a row per ledger); `known`: what the state says
+    (`state_ledger_counts`).
     """
-    known = {
-        (r.topic, r.ledger_id): (r.entry_count, r.last_entry_id)
-        for r in ledger_txns.groupBy("topic", "ledger_id")
-        .agg(F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id"))
-        .collect()
-    }
     rows = inventory.collect()
     now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in rows}
     changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
@@ -346,9 +362,12 @@ def refresh_buffer(
         old_stable = None
         size_bytes = inventory.agg(F.sum("size_bytes")).first()[0] or 0
     else:
-        old_stable = wh.read(STABLE_POSITIONS).collect()
-        state = wh.read(BUFFER_LEDGER_TXNS)
-        scope, deleted, topics, size_bytes = plan_scope(inventory, state, ledgers)
+        # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
+        # read by delta-rs, without the Spark jobs of a Delta scan.
+        tables = DeltaTables(wh)
+        old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
+        known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS))
+        scope, deleted, topics, size_bytes = plan_scope(inventory, known, ledgers)
         if not scope and not deleted:
             return BufferRefresh(full=False, ledgers=[])
         replaced = sorted(scope | deleted)

@@ -48,7 +48,7 @@ from typing import Callable, Iterable
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_incremental import inventory_of, plan_scope
+from txn_engine.buffer_incremental import inventory_of, plan_scope, state_ledger_counts
 from txn_engine.buffer_jobs import (
     NARROW_COLUMNS,
     TXN_KEY,
@@ -293,7 +293,7 @@ def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tupl
         # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
         # duplicates in either version.
         ledger_txns = _as_of_now(wh, BUFFER_LEDGER_TXNS)
-        changed, deleted, _, _ = plan_scope(inventory_of(catalog), ledger_txns, ())
+        changed, deleted, _, _ = plan_scope(inventory_of(catalog), state_ledger_counts(ledger_txns), ())
         if not changed and not deleted:
             ledger_txns = ledger_txns.cache()
             duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
