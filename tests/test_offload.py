@@ -209,3 +209,22 @@ def test_crash_between_manifest_and_state_is_finished(history, tmp_path):
     assert sorted(result.states_recorded) == [("t", 1), ("u", 5)] and result.offloaded == []
     assert states(warehouse)[("t", 1)] == states(warehouse)[("u", 5)] == "OFFLOADED"
     assert tier_positions(warehouse) == EXPECTED_TIER
+
+
+def test_ledger_predicate_quotes_topics_for_spark_and_for_delta_rs(spark, tmp_path):
+    # Spark SQL escapes with a backslash, delta-rs (DataFusion) doubles a quote: each predicate
+    # must match exactly its pairs on its own engine, whatever the topic name holds.
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    from txn_engine.offload import ledger_predicate
+
+    rows = [("it's", 1), ("it's", 2), ("back\\slash", 1), ("plain", 1), ("it", 1)]
+    wanted = [("it's", 1), ("back\\slash", 1)]
+    frame = spark.createDataFrame(rows, "topic string, ledger_id long")
+    assert sorted(tuple(r) for r in frame.where(ledger_predicate(wanted)).collect()) == sorted(wanted)
+    path = str(tmp_path / "t")
+    write_deltalake(path, pa.table({"topic": [t for t, _ in rows], "ledger_id": pa.array([l for _, l in rows], pa.int64())}))
+    DeltaTable(path).delete(ledger_predicate(wanted, delta_rs=True))
+    left = DeltaTable(path).to_pyarrow_table().to_pylist()
+    assert sorted((r["topic"], r["ledger_id"]) for r in left) == sorted(set(rows) - set(wanted))

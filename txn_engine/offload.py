@@ -61,6 +61,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
+from txn_engine.delta_io import DeltaTables
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -172,19 +173,25 @@ def manifest_counts(classified: DataFrame) -> DataFrame:
     )
 
 
-def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id") -> str:
-    """A Spark SQL predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE)."""
+def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id", delta_rs: bool = False) -> str:
+    """A predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE): Spark SQL,
+    or with `delta_rs` delta-rs's (DataFusion) SQL, which quotes strings differently."""
+    quote = _delta_rs_string if delta_rs else _sql_string
     by_topic: dict[str, list[int]] = {}
     for topic, ledger_id in sorted(set(ledgers)):
         by_topic.setdefault(topic, []).append(int(ledger_id))
     if not by_topic:
         return "false"
-    parts = [f"(topic = {_sql_string(t)} AND {ledger_column} IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
+    parts = [f"(topic = {quote(t)} AND {ledger_column} IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
     return " OR ".join(parts)
 
 
 def _sql_string(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _delta_rs_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"  # DataFusion: a quote doubled; a backslash is itself
 
 
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
@@ -349,10 +356,9 @@ def _copy_ledgers(
             "max_read_ledger_id": stable.ledger_id, "max_read_entry_id": stable.entry_id,
             "tier_location": location, "offloaded_at": now,
         })
-    manifest = wh.spark.createDataFrame([tuple(r[f.name] for f in OFFLOAD_MANIFEST_SCHEMA.fields) for r in rows],
-                                        OFFLOAD_MANIFEST_SCHEMA)
-    # Step 2: the manifest rows: from now on readers read these ledgers from the tier.
-    wh.overwrite(OFFLOAD_MANIFEST, manifest, replace_where=predicate)
+    # Step 2: the manifest rows: from now on readers read these ledgers from the tier. A row per
+    # ledger, committed by delta-rs (Spark's replaceWhere would run 8 Spark jobs for them).
+    DeltaTables(wh).overwrite(OFFLOAD_MANIFEST, rows, OFFLOAD_MANIFEST_SCHEMA, predicate=ledger_predicate(targets, delta_rs=True))
     if crash_hook:
         crash_hook(AFTER_MANIFEST)
     # Step 3: the catalog state.
