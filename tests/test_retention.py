@@ -60,6 +60,7 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert aborts(wh.read(ABORTED_TXNS)) == [("t", 1, 2, 1, 4), ("t", *G, 4, 3)]
     before = {t: read_positions(wh, t) for t in ("t", "u")}
     assert before["t"] == oracle_read(FULL, "t")
+    catalog_before = {(r.topic, r.ledger_id): r.asDict() for r in current_ledger_catalog(wh).collect()}
 
     result = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
     # u/6 is not offloaded, so u keeps it and everything after it.
@@ -75,6 +76,12 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert (catalog[("t", 1)].state, catalog[("t", 1)].first_entry_id, catalog[("t", 1)].last_entry_id,
             catalog[("t", 1)].entry_count) == ("DELETED", 0, 4, 5)
     assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
+    # deleted_ledgers keeps each one's last catalog row as it was, timestamps included (they go
+    # through the driver: Spark hands them over as naive local times).
+    for row in wh.read(DELETED_LEDGERS).collect():
+        kept = {k: v for k, v in row.asDict().items() if k != "deleted_at"}
+        assert kept == {k: catalog_before[(row.topic, row.ledger_id)][k] for k in kept}
+        assert row.deleted_at is not None
 
     # A full recompute over what is left gives the same trimmed abort set, as does the oracle.
     remaining = compute_buffer_tables(wh.read(LEDGER_ENTRIES))

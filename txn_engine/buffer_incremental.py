@@ -78,7 +78,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DeltaTables, overwrite_small
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -103,11 +103,6 @@ from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
-# A run whose scope holds at most this many bytes of entries (the catalog's `size_bytes`) collects
-# each table it writes to the driver as Arrow and commits it through delta-rs: a Spark Delta write
-# costs 5 (overwrite) to 8 (`replaceWhere`) Spark jobs however small the table, which made a
-# small run mostly fixed cost. Bigger runs (a full recompute of a long history) write from Spark.
-DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 # The column that attributes a row to the ledger whose recomputation rewrites it.
 LEDGER_COLUMN = {
     TXN_MARKERS: "ledger_id",

@@ -72,6 +72,13 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
     return pa.schema([arrow_field(f) for f in schema.fields])
 
 
+# A write of at most this many bytes goes through the driver (collected as Arrow, committed by
+# delta-rs): a Spark Delta write or DELETE costs 5-8 Spark jobs however small the table, which made
+# small runs mostly fixed cost. Bigger ones stay on Spark. Each caller says what it measures
+# (the buffer: its scope's entries; the offload and retention: the tables they rewrite).
+DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
+
+
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None) -> int:
     """Write a result small enough for the driver (a row per ledger or topic, a small run's tables)
     as `DeltaTables.overwrite` does: collected as Arrow in one Spark job, committed by delta-rs."""
@@ -137,6 +144,22 @@ class DeltaTables:
             values = self.read_column(table, column)
             return None if len(values) == 0 else pc.max(values).as_py()
         return pc.max(actions.column(name)).as_py()
+
+    def size_bytes(self, table: str) -> int | None:
+        """The bytes of the table's current data files (Delta file statistics, no data read); None when missing."""
+        handle = self._handle(table)
+        if handle is None:
+            return None
+        sizes = pa.table(handle.get_add_actions(flatten=True)).column("size_bytes")
+        return int(pc.sum(sizes).as_py() or 0)
+
+    def delete(self, table: str, predicate: str) -> None:
+        """Delete the rows matching `predicate` (delta-rs SQL) in one Delta commit; no-op on a missing table."""
+        with self.warehouse.writer(table):
+            if not self.exists(table):
+                return
+            retry_delta_conflicts(lambda: self._open(table).delete(predicate))  # a fresh handle per attempt
+            self._writers.pop(table, None)  # an append handle would first have to read this commit
 
     def read_column(self, table: str, column: str) -> pa.ChunkedArray:
         handle = self._handle(table)

@@ -61,7 +61,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DeltaTables
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -194,6 +194,24 @@ def _delta_rs_string(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"  # DataFusion: a quote doubled; a backslash is itself
 
 
+def delete_ledgers(wh: Warehouse, table: str, ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id",
+                   driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES) -> None:
+    """Delete the rows of these (topic, ledger) pairs from `table` in one commit (no-op on a missing table).
+
+    Through delta-rs when the table's files hold at most `driver_write_max_bytes` (no Spark job;
+    Spark's DELETE runs several even on a small table), else with Spark's DELETE.
+    """
+    ledgers = sorted(set(ledgers))
+    tables = DeltaTables(wh)
+    size = tables.size_bytes(table)
+    if size is None or not ledgers:
+        return
+    if size <= driver_write_max_bytes:
+        tables.delete(table, ledger_predicate(ledgers, ledger_column, delta_rs=True))
+    else:
+        wh.delete(table, ledger_predicate(ledgers, ledger_column))
+
+
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
     return frame.where(ledger_predicate(ledgers))
 
@@ -211,6 +229,7 @@ class OffloadResult:
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
+    written_by: str = "spark"  # who wrote the tier rows: "spark", or "driver" (Arrow committed by delta-rs)
 
     @property
     def offloaded(self) -> list[LedgerKey]:
@@ -229,11 +248,14 @@ def offload_ledgers(
     warehouse: Warehouse,
     ledger_ids: Iterable[int] | None = None,
     crash_hook: Callable[[str], None] | None = None,
+    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
 ) -> OffloadResult:
     """Offload the eligible ledgers among `ledger_ids` (all ledgers when None), recovering first.
 
     `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
-    make it raise to simulate a crash there.
+    make it raise to simulate a crash there. When `ledger_entries`' files hold at most
+    `driver_write_max_bytes`, the tier rows are collected as Arrow and committed by delta-rs
+    (`written_by` "driver"), as the buffer writes a small run; bigger logs are copied by Spark.
     """
     wh = warehouse
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
@@ -252,7 +274,8 @@ def offload_ledgers(
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=facts_from)
+        small_log = (DeltaTables(wh).size_bytes(LEDGER_ENTRIES) or 0) <= driver_write_max_bytes
+        result = OffloadResult(facts_from=facts_from, written_by="driver" if small_log else "spark")
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
         in_tier = {
@@ -280,11 +303,11 @@ def offload_ledgers(
                     result.waiting[key] = row["waiting_reason"]
         result.rolled_back_orphans = sorted(orphans - targets)
         if result.rolled_back_orphans:
-            wh.delete(OFFLOADED_ENTRIES, ledger_predicate(result.rolled_back_orphans))
+            delete_ledgers(wh, OFFLOADED_ENTRIES, result.rolled_back_orphans, driver_write_max_bytes=driver_write_max_bytes)
         if result.states_recorded:
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
         if targets:
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook)
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, small_log)
         return result
     finally:
         for frame in [*facts.cached_frames(), stable]:
@@ -329,6 +352,7 @@ def _copy_ledgers(
     targets: list[LedgerKey],
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
+    through_driver: bool,
 ) -> list[dict]:
     predicate = ledger_predicate(targets)
     decided = facts.txns.where(F.col("outcome").isNotNull())
@@ -337,7 +361,10 @@ def _copy_ledgers(
     classified = classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
     kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
-    wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    if through_driver:
+        overwrite_small(wh, OFFLOADED_ENTRIES, kept, predicate=ledger_predicate(targets, delta_rs=True))
+    else:
+        wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
     # The same rows again (same log version, same classification): what was written, counted.

@@ -29,18 +29,16 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
 
-from pyspark.sql import functions as F
-
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.offload import LedgerKey, ledger_predicate, offloaded_ledgers
+from txn_engine.delta_io import DeltaTables
+from txn_engine.offload import LedgerKey, delete_ledgers, ledger_predicate, offloaded_ledgers
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
     LEDGER_ENTRIES,
-    LEDGERS_SCHEMA,
     TXN_MARKERS,
 )
 from txn_engine.warehouse import Warehouse
@@ -164,17 +162,21 @@ def apply_retention(
         return result
     hook = crash_hook or (lambda step: None)
     if chosen:
-        last_known = wh.spark.createDataFrame([tuple(r[f.name] for f in LEDGERS_SCHEMA.fields) for r in chosen_rows], LEDGERS_SCHEMA)
-        last_known = last_known.withColumn("deleted_at", F.lit(now).cast("timestamp"))
-        last_known = last_known.select(*[F.col(f.name).cast(f.dataType) for f in DELETED_LEDGERS_SCHEMA.fields])
-        wh.overwrite(DELETED_LEDGERS, last_known, replace_where=ledger_predicate(chosen))
+        # A row per deleted ledger, committed by delta-rs; Spark collected the timestamps as naive local times.
+        last_known = [
+            {**{f.name: _utc(r[f.name]) if isinstance(r[f.name], datetime) else r[f.name] for f in DELETED_LEDGERS_SCHEMA.fields
+                if f.name != "deleted_at"}, "deleted_at": _utc(now)}
+            for r in chosen_rows
+        ]
+        DeltaTables(wh).overwrite(DELETED_LEDGERS, last_known, DELETED_LEDGERS_SCHEMA,
+                                  predicate=ledger_predicate(chosen, delta_rs=True))
         hook(AFTER_CATALOG)
         record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
         hook(AFTER_STATE)
     targets = sorted(chosen_set | set(unfinished))
-    wh.delete(COMMITTED_ENTRIES, ledger_predicate(targets))
-    wh.delete(TXN_MARKERS, ledger_predicate(targets))
-    wh.delete(ABORTED_TXNS, ledger_predicate(targets, "abort_ledger_id"))
+    delete_ledgers(wh, COMMITTED_ENTRIES, targets)
+    delete_ledgers(wh, TXN_MARKERS, targets)
+    delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id")
     hook(AFTER_DERIVED)
-    wh.delete(LEDGER_ENTRIES, ledger_predicate(targets))
+    delete_ledgers(wh, LEDGER_ENTRIES, targets)
     return result
