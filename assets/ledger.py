@@ -59,12 +59,8 @@ def ingest_ledger_entries(
         "rows_quarantined": summary.rows_quarantined,
         "quarantine_by_rule": MetadataValue.json(summary.quarantine_by_rule),
     }
-    entries_rows = wh.read(LEDGER_ENTRIES).count()
-    quarantine_rows = wh.read(QUARANTINE_ENTRIES).count() if wh.exists(QUARANTINE_ENTRIES) else 0
-    yield MaterializeResult(asset_key=LEDGER_ENTRIES, metadata=table_metadata(wh, LEDGER_ENTRIES, entries_rows, **common))
-    yield MaterializeResult(
-        asset_key=QUARANTINE_ENTRIES, metadata=table_metadata(wh, QUARANTINE_ENTRIES, quarantine_rows, **common)
-    )
+    yield MaterializeResult(asset_key=LEDGER_ENTRIES, metadata=table_metadata(wh, LEDGER_ENTRIES, **common))
+    yield MaterializeResult(asset_key=QUARANTINE_ENTRIES, metadata=table_metadata(wh, QUARANTINE_ENTRIES, **common))
 
 
 @asset(

@@ -7,14 +7,18 @@ from typing import Any
 from dagster import MetadataValue
 
 from resources.spark import spark_startup_seconds
+from txn_engine.delta_io import DeltaTables
 from txn_engine.warehouse import Warehouse
 
 
-def table_metadata(warehouse: Warehouse, table: str, rows: int, **extra: Any) -> dict[str, Any]:
+def table_metadata(warehouse: Warehouse, table: str, rows: int | None = None, **extra: Any) -> dict[str, Any]:
+    """Rows (by default the table's, from its Delta log), location and Delta version: read with
+    delta-rs, where a Spark count and history cost a few Spark jobs per table."""
+    tables = DeltaTables(warehouse)
     metadata: dict[str, Any] = {
-        "rows": rows,
+        "rows": tables.row_count(table) if rows is None else rows,
         "table_location": MetadataValue.path(warehouse.path(table)),
-        "delta_version": warehouse.version(table),
+        "delta_version": tables.version(table),
     }
     started = spark_startup_seconds()
     if started is not None:

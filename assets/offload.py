@@ -86,6 +86,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
     extra = {
         "ledgers_requested": len(ledger_ids),
         "facts_from": result.facts_from,
+        "tier_written_by": result.written_by,
         "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),
         "ledgers_waiting": MetadataValue.json(waiting),
@@ -97,8 +98,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
         **savings,
     }
     for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST):
-        rows = wh.read(table).count() if wh.exists(table) else 0
-        yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, rows, **extra))
+        yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
 
 
 OFFLOAD_SELECTION = AssetSelection.assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
@@ -168,8 +168,7 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
     if config.dry_run:
         context.log_event(AssetObservation(asset_key=DELETED_LEDGERS, metadata=outcome))
         return
-    rows = wh.read(DELETED_LEDGERS).count() if wh.exists(DELETED_LEDGERS) else 0
-    yield MaterializeResult(metadata=table_metadata(wh, DELETED_LEDGERS, rows, **outcome))
+    yield MaterializeResult(metadata=table_metadata(wh, DELETED_LEDGERS, **outcome))
 
 
 retention_job = define_asset_job(

@@ -36,7 +36,7 @@ from pyspark.sql import functions as F
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import overwrite_small
+from txn_engine.delta_io import DeltaTables, overwrite_small
 from txn_engine.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
@@ -107,7 +107,7 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
     stored = wh.read(TXN_SNAPSHOT_STATE)
     by_state = {s: 0 for s in SNAPSHOT_STATES}
     by_state.update({r.state: r["count"] for r in stored.groupBy("state").count().collect()})
-    segments_rows = read_segments(wh).count()
+    segments_rows = DeltaTables(wh).row_count(TXN_SNAPSHOT_SEGMENTS)
     yield MaterializeResult(asset_key=TXN_SNAPSHOT_SEGMENTS, metadata=table_metadata(
         wh, TXN_SNAPSHOT_SEGMENTS, segments_rows,
         topics_snapshotted=len(summary.topics),
@@ -117,7 +117,7 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
         rows_before_compaction=compaction.rows_before if compaction else segments_rows,
     ))
     yield MaterializeResult(asset_key=TXN_SNAPSHOT_STATE, metadata=table_metadata(
-        wh, TXN_SNAPSHOT_STATE, stored.count(),
+        wh, TXN_SNAPSHOT_STATE, sum(by_state.values()),
         topics_by_state=MetadataValue.json(by_state),
         topics_skipped=MetadataValue.json(skipped),
         states=MetadataValue.md(markdown_preview(
@@ -137,7 +137,7 @@ def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -
     by_source = {r.source: {"topics": r.topics, "replayed_entries": int(r.replayed or 0)} for r in summary.collect()}
     reasons = [f"{r.topic}: {r.fallback_reason}" for r in stored.where("source = 'FULL_REPLAY'").limit(20).collect()]
     return MaterializeResult(metadata=table_metadata(
-        wh, RECOVERED_BUFFER_STATE, stored.count(),
+        wh, RECOVERED_BUFFER_STATE,
         by_source=MetadataValue.json(by_source), full_replay_reasons=MetadataValue.json(reasons),
         recovery_path=recovery.path, recovery_seconds=MetadataValue.json(recovery.seconds),
     ))

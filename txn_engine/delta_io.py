@@ -145,6 +145,22 @@ class DeltaTables:
             return None if len(values) == 0 else pc.max(values).as_py()
         return pc.max(actions.column(name)).as_py()
 
+    def version(self, table: str) -> int | None:
+        """The table's current version (None when missing), read from its log without Spark."""
+        handle = self._handle(table)
+        return None if handle is None else handle.version()
+
+    def row_count(self, table: str) -> int:
+        """The table's rows (0 when missing): the sum of its files' `numRecords` statistics, no data
+        read; a file written without statistics makes it count the rows of one column instead."""
+        handle = self._handle(table)
+        if handle is None:
+            return 0
+        records = pa.table(handle.get_add_actions(flatten=True)).column("num_records")
+        if records.null_count:
+            return handle.to_pyarrow_dataset().count_rows()
+        return int(pc.sum(records).as_py() or 0)
+
     def size_bytes(self, table: str) -> int | None:
         """The bytes of the table's current data files (Delta file statistics, no data read); None when missing."""
         handle = self._handle(table)
