@@ -14,11 +14,10 @@ from txn_engine.warehouse import Warehouse
 def table_metadata(warehouse: Warehouse, table: str, rows: int | None = None, **extra: Any) -> dict[str, Any]:
     """Rows (by default the table's, from its Delta log), location and Delta version: read with
     delta-rs, where a Spark count and history cost a few Spark jobs per table."""
-    tables = DeltaTables(warehouse)
     metadata: dict[str, Any] = {
-        "rows": tables.row_count(table) if rows is None else rows,
+        "rows": DeltaTables(warehouse).row_count(table) if rows is None else rows,
         "table_location": MetadataValue.path(warehouse.path(table)),
-        "delta_version": tables.version(table),
+        "delta_version": warehouse.version(table),
     }
     started = spark_startup_seconds()
     if started is not None:

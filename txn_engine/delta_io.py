@@ -145,11 +145,6 @@ class DeltaTables:
             return None if len(values) == 0 else pc.max(values).as_py()
         return pc.max(actions.column(name)).as_py()
 
-    def version(self, table: str) -> int | None:
-        """The table's current version (None when missing), read from its log without Spark."""
-        handle = self._handle(table)
-        return None if handle is None else handle.version()
-
     def row_count(self, table: str) -> int:
         """The table's rows (0 when missing): the sum of its files' `numRecords` statistics, no data
         read; a file written without statistics makes it count the rows of one column instead."""
