@@ -78,7 +78,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small, sql_string
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -389,7 +389,8 @@ def refresh_buffer(
     cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
     try:
         driver = size_bytes <= driver_write_max_bytes
-        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write, driver)
+        result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write, driver,
+                        driver_write_max_bytes)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
         counts = scoped_violations(facts, scope_ledger_txns).agg(*[F.sum(v).alias(v) for v in VIOLATIONS]).first()
@@ -401,7 +402,7 @@ def refresh_buffer(
 
 
 def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write,
-           driver: bool) -> BufferRefresh:
+           driver: bool, driver_write_max_bytes: int) -> BufferRefresh:
     full = kept_state is None
     replaced = sorted(scope | deleted)
     in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
@@ -432,7 +433,7 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     write(ABORTED_TXNS, aborted)
     write(COMMITTED_ENTRIES, read_committed(data, committed, stable))
     if not full:
-        _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted))
+        _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted), driver_write_max_bytes)
         if after_write:
             after_write("in_stable_prefix")
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
@@ -447,18 +448,37 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark")
 
 
-def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int]) -> None:
-    """Set `in_stable_prefix` of the committed rows not rewritten where the topic's stable position moved."""
+def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], driver_write_max_bytes: int) -> None:
+    """Set `in_stable_prefix` of the committed rows not rewritten where the topic's stable position moved.
+
+    Through delta-rs when `committed_entries`' files hold at most `driver_write_max_bytes` (an
+    UPDATE without Spark jobs), else with Spark MERGEs; the same rows either way.
+    """
     old = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in old_rows}
     moved = [(r.topic, r.max_read_ledger_id, r.max_read_entry_id, old.get(r.topic)) for r in new_rows
              if old.get(r.topic) != (r.max_read_ledger_id, r.max_read_entry_id)]
     if not moved:
         return
+    forward = any(prev is None or prev < (l, e) for _, l, e, prev in moved)
+    backward = any(prev is not None and prev > (l, e) for _, l, e, prev in moved)
+    tables = DeltaTables(wh)
+    if (tables.size_bytes(COMMITTED_ENTRIES) or 0) <= driver_write_max_bytes:
+        not_rewritten = f"NOT ({ledger_ids_predicate('visible_ledger_id', rewritten)})"
+
+        def rows(flag: str, below: bool) -> str:
+            return " OR ".join(
+                f"(topic = {sql_string(t, delta_rs=True)} AND in_stable_prefix = {flag} AND "
+                f"{'' if below else 'NOT '}(ledger_id < {l} OR (ledger_id = {l} AND entry_id <= {e})) AND {not_rewritten})"
+                for t, l, e, _ in moved
+            )
+        if forward:
+            tables.update(COMMITTED_ENTRIES, {"in_stable_prefix": "true"}, rows("false", below=True))
+        if backward:
+            tables.update(COMMITTED_ENTRIES, {"in_stable_prefix": "false"}, rows("true", below=False))
+        return
     source = wh.spark.createDataFrame([(t, l, e) for t, l, e, _ in moved], "topic string, _sl long, _se long")
     at_or_below = "(t.ledger_id < s._sl OR (t.ledger_id = s._sl AND t.entry_id <= s._se))"
     not_rewritten = f"NOT ({ledger_ids_predicate('t.visible_ledger_id', rewritten)})"
-    forward = any(prev is None or prev < (l, e) for _, l, e, prev in moved)
-    backward = any(prev is not None and prev > (l, e) for _, l, e, prev in moved)
     with wh.writer(COMMITTED_ENTRIES):
         table = DeltaTable.forPath(wh.spark, wh.path(COMMITTED_ENTRIES))
         # `in_stable_prefix = false` lets Delta skip every file that holds only readable rows.

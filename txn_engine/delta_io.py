@@ -85,6 +85,27 @@ def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicat
     return DeltaTables(warehouse).overwrite(table, frame.toArrow(), frame.schema, predicate)
 
 
+def ledger_predicate(ledgers: Iterable[tuple[str, int]], ledger_column: str = "ledger_id", delta_rs: bool = False) -> str:
+    """A predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE): Spark SQL,
+    or with `delta_rs` delta-rs's (DataFusion) SQL, which quotes strings differently."""
+    by_topic: dict[str, list[int]] = {}
+    for topic, ledger_id in sorted(set(ledgers)):
+        by_topic.setdefault(topic, []).append(int(ledger_id))
+    if not by_topic:
+        return "false"
+    parts = [f"(topic = {sql_string(t, delta_rs)} AND {ledger_column} IN ({', '.join(map(str, ids))}))"
+             for t, ids in by_topic.items()]
+    return " OR ".join(parts)
+
+
+def sql_string(text: str, delta_rs: bool = False) -> str:
+    """A string literal: Spark SQL escapes with a backslash; delta-rs (DataFusion) doubles a quote
+    and reads a backslash as itself."""
+    if delta_rs:
+        return "'" + text.replace("'", "''") + "'"
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
 
 
@@ -171,6 +192,14 @@ class DeltaTables:
                 return
             retry_delta_conflicts(lambda: self._open(table).delete(predicate))  # a fresh handle per attempt
             self._writers.pop(table, None)  # an append handle would first have to read this commit
+
+    def update(self, table: str, updates: dict[str, str], predicate: str) -> int:
+        """Set columns (delta-rs SQL expressions) of the rows matching `predicate` in one Delta
+        commit (none when no row matches); returns the rows updated."""
+        with self.warehouse.writer(table):
+            metrics = retry_delta_conflicts(lambda: self._open(table).update(updates=updates, predicate=predicate))
+            self._writers.pop(table, None)  # an append handle would first have to read this commit
+        return int(metrics.get("num_updated_rows", 0))
 
     def read_column(self, table: str, column: str) -> pa.ChunkedArray:
         handle = self._handle(table)

@@ -61,7 +61,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, ledger_predicate, overwrite_small
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -171,27 +171,6 @@ def manifest_counts(classified: DataFrame) -> DataFrame:
         F.coalesce(F.sum(F.when(kept, F.col("_bytes"))), F.lit(0)).cast("long").alias("bytes_after"),
         checksum_of(F.when(kept, F.col("_hash"))).alias("checksum"),
     )
-
-
-def ledger_predicate(ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id", delta_rs: bool = False) -> str:
-    """A predicate matching exactly these (topic, ledger) pairs (for replaceWhere/DELETE): Spark SQL,
-    or with `delta_rs` delta-rs's (DataFusion) SQL, which quotes strings differently."""
-    quote = _delta_rs_string if delta_rs else _sql_string
-    by_topic: dict[str, list[int]] = {}
-    for topic, ledger_id in sorted(set(ledgers)):
-        by_topic.setdefault(topic, []).append(int(ledger_id))
-    if not by_topic:
-        return "false"
-    parts = [f"(topic = {quote(t)} AND {ledger_column} IN ({', '.join(map(str, ids))}))" for t, ids in by_topic.items()]
-    return " OR ".join(parts)
-
-
-def _sql_string(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def _delta_rs_string(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"  # DataFusion: a quote doubled; a backslash is itself
 
 
 def delete_ledgers(wh: Warehouse, table: str, ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id",

@@ -31,8 +31,8 @@ from typing import Callable, Iterable
 
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.delta_io import DeltaTables
-from txn_engine.offload import LedgerKey, delete_ledgers, ledger_predicate, offloaded_ledgers
+from txn_engine.delta_io import DeltaTables, ledger_predicate
+from txn_engine.offload import LedgerKey, delete_ledgers, offloaded_ledgers
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
