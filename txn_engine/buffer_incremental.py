@@ -193,12 +193,13 @@ def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: Data
     return conform(rows, LEDGER_ENTRIES_SCHEMA)
 
 
-def scoped_violations(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
-    """Per topic, the violations whose entry lies in the recomputed ledgers (`facts.entries`).
+def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
+    """One row: the count of each violation whose entry lies in the recomputed ledgers (`facts.entries`).
 
     A marker counts where it is: `duplicate_marker` for each marker of the scope that is not its
     transaction's first, `marker_without_data` for first markers of the scope with no kept data
-    before them. Summed over the runs of a history they give the full run's totals.
+    before them. Summed over the runs of a history they give the full run's totals. Global
+    aggregates, not per topic: a run reports totals, and grouping by topic cost shuffles and joins.
     """
     txns = facts.txns.select(
         *TXN_KEY, "marker_ledger_id", "marker_entry_id", "first_data_ledger_id", "first_data_entry_id"
@@ -212,23 +213,22 @@ def scoped_violations(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataF
     data_before = F.col("first_data_ledger_id").isNotNull() & position_lt(
         F.col("first_data_ledger_id"), F.col("first_data_entry_id"), F.col("marker_ledger_id"), F.col("marker_entry_id")
     )
-    per_marker = scope_markers.groupBy("topic").agg(
-        F.sum(F.col("marker_count") - F.when(is_first_here, 1).otherwise(0)).alias(Violation.DUPLICATE_MARKER.value),
+    per_marker = scope_markers.agg(
+        F.coalesce(F.sum(F.col("marker_count") - F.when(is_first_here, 1).otherwise(0)), F.lit(0)).alias(
+            Violation.DUPLICATE_MARKER.value
+        ),
         F.count(F.when(is_first_here & ~data_before, 1)).alias(Violation.MARKER_WITHOUT_DATA.value),
     )
-    duplicates = facts.duplicates.groupBy("topic").agg(F.count("*").alias(Violation.DUPLICATE.value))
+    duplicates = facts.duplicates.agg(F.count("*").alias(Violation.DUPLICATE.value))
     late = (
         facts.entries.filter(is_data() & has_txn())
         .select(*TXN_KEY, "ledger_id", "entry_id")
         .join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
         .join(txns.filter(F.col("marker_ledger_id").isNotNull()), list(TXN_KEY))
         .filter(position_lt(F.col("marker_ledger_id"), F.col("marker_entry_id"), F.col("ledger_id"), F.col("entry_id")))
-        .groupBy("topic")
         .agg(F.count("*").alias(Violation.DATA_AFTER_MARKER.value))
     )
-    topics = scope_ledger_txns.select("topic").distinct()
-    joined = topics.join(duplicates, "topic", "left").join(per_marker, "topic", "left").join(late, "topic", "left")
-    return joined.select("topic", *[F.coalesce(F.col(v), F.lit(0)).cast("long").alias(v) for v in VIOLATIONS])
+    return duplicates.crossJoin(per_marker).crossJoin(late).select(*[F.col(v).cast("long").alias(v) for v in VIOLATIONS])
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -393,7 +393,7 @@ def refresh_buffer(
                         driver_write_max_bytes)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
-        counts = scoped_violations(facts, scope_ledger_txns).agg(*[F.sum(v).alias(v) for v in VIOLATIONS]).first()
+        counts = scoped_violation_totals(facts, scope_ledger_txns).first()
         result.violations = {v: int(counts[v] or 0) for v in VIOLATIONS}
         return result
     finally:
