@@ -86,7 +86,6 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
     extra = {
         "ledgers_requested": len(ledger_ids),
         "facts_from": result.facts_from,
-        "tier_written_by": result.written_by,
         "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),
         "ledgers_waiting": MetadataValue.json(waiting),

@@ -12,7 +12,6 @@ from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import classify_entries, stable_from_facts
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES
 from txn_engine.offload import (
     AFTER_ENTRIES,
     AFTER_MANIFEST,
@@ -63,15 +62,9 @@ def states(warehouse):
 EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
 
 
-# The tier rows of a small log are committed through the driver (delta-rs); the same run on Spark.
-WRITERS = pytest.mark.parametrize("max_bytes,written_by", [(DRIVER_WRITE_MAX_BYTES, "driver"), (0, "spark")])
-
-
-@WRITERS
-def test_eligibility_filtered_copy_and_manifest(history, tmp_path, max_bytes, written_by):
+def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
     warehouse = history
-    result = offload_ledgers(warehouse, driver_write_max_bytes=max_bytes)
-    assert result.written_by == written_by
+    result = offload_ledgers(warehouse)
     # Ledger 5 ends exactly at its topic's stable position (5:1); ledgers 2 and 3 wait for D.
     assert sorted(result.offloaded) == [("t", 1), ("u", 5)]
     assert set(result.waiting) == {("t", 2), ("t", 3), ("t", 4), ("u", 6), ("u", 7), ("v", 8)}
@@ -192,19 +185,17 @@ def test_only_the_requested_ledgers_are_offloaded(history, tmp_path):
     assert tier_positions(warehouse) == [("u", 5, 0), ("u", 5, 1)]
 
 
-@WRITERS
-def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(history, tmp_path, max_bytes, written_by):
+def test_crash_between_entries_and_manifest_is_finished_or_rolled_back(history, tmp_path):
     warehouse = history
     with pytest.raises(Crash):
-        offload_ledgers(warehouse, crash_hook=crash_at(AFTER_ENTRIES), driver_write_max_bytes=max_bytes)
+        offload_ledgers(warehouse, crash_hook=crash_at(AFTER_ENTRIES))
     assert tier_positions(warehouse) == EXPECTED_TIER  # the entries are there ...
     assert not warehouse.exists(OFFLOAD_MANIFEST)  # ... without their manifest rows
     assert states(warehouse)[("t", 1)] == "CLOSED"
     # Ledger 5 is gone from the hot log meanwhile, so its orphan rows can only be rolled back.
     warehouse.delete(LEDGER_ENTRIES, "ledger_id = 5")
-    result = offload_ledgers(warehouse, ledger_ids=[], driver_write_max_bytes=max_bytes)
+    result = offload_ledgers(warehouse, ledger_ids=[])
     assert result.finished_orphans == [("t", 1)] and result.rolled_back_orphans == [("u", 5)]
-    assert result.written_by == written_by
     assert tier_positions(warehouse) == [("t", 1, 0), ("t", 1, 1)]
     assert set(manifest_rows(warehouse)) == {("t", 1)}
     assert states(warehouse)[("t", 1)] == "OFFLOADED"
@@ -222,8 +213,8 @@ def test_crash_between_manifest_and_state_is_finished(history, tmp_path):
     assert tier_positions(warehouse) == EXPECTED_TIER
 
 
-@pytest.mark.parametrize("max_bytes", [DRIVER_WRITE_MAX_BYTES, 0], ids=["delta-rs", "spark"])
-def test_delete_ledgers_removes_exactly_its_pairs_whatever_the_topic_holds(warehouse, max_bytes):
+@pytest.mark.parametrize("through_driver", [True, False], ids=["delta-rs", "spark"])
+def test_delete_ledgers_removes_exactly_its_pairs_whatever_the_topic_holds(warehouse, through_driver):
     # Spark SQL escapes with a backslash, delta-rs (DataFusion) doubles a quote: each predicate
     # must match exactly its pairs on its own engine, whatever the topic name holds.
     rows = [("it's", 1), ("it's", 2), ("back\\slash", 1), ("plain", 1), ("it", 1)]
@@ -231,7 +222,7 @@ def test_delete_ledgers_removes_exactly_its_pairs_whatever_the_topic_holds(wareh
     frame = warehouse.spark.createDataFrame(rows, "topic string, ledger_id long")
     assert sorted(tuple(r) for r in frame.where(ledger_predicate(wanted)).collect()) == sorted(wanted)
     warehouse.overwrite("pairs", frame)
-    delete_ledgers(warehouse, "pairs", wanted, driver_write_max_bytes=max_bytes)
+    delete_ledgers(warehouse, "pairs", wanted, through_driver=through_driver)
     left = [tuple(r) for r in warehouse.read("pairs").collect()]
     assert sorted(left) == sorted(set(rows) - set(wanted))
-    delete_ledgers(warehouse, "no_such_table", wanted)  # nothing to delete from: a no-op
+    delete_ledgers(warehouse, "no_such_table", wanted, through_driver=through_driver)  # nothing there: a no-op

@@ -268,6 +268,7 @@ class ScopePlan(NamedTuple):
     deleted: set[int]  # in the state, gone from the catalog
     topics: set[str]  # recomputed whole (they lost a ledger)
     size_bytes: int  # of the entries of `ledgers`, per the catalog (0 when the inventory has no size_bytes)
+    log_bytes: int  # of every ledger's entries, per the catalog (0 when the inventory has no size_bytes)
 
 
 LedgerCounts = dict[tuple[str, int], tuple[int, int]]  # (topic, ledger_id) -> (entry_count, last_entry_id)
@@ -306,7 +307,8 @@ def plan_scope(inventory: DataFrame, known: LedgerCounts, requested: Iterable[in
     whole_topics = {ledger for topic, ledger in now if topic in topics}
     scope = wanted | changed | whole_topics
     sized = "size_bytes" in inventory.columns  # the offloader plans without it (it reads no payload)
-    return ScopePlan(scope, deleted, topics, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0)
+    return ScopePlan(scope, deleted, topics, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0,
+                     sum(r.size_bytes for r in rows) if sized else 0)
 
 
 def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, stable_rows) -> DataFrame:
@@ -362,7 +364,7 @@ def refresh_buffer(
         tables = DeltaTables(wh)
         old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
         known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS))
-        scope, deleted, topics, size_bytes = plan_scope(inventory, known, ledgers)
+        scope, deleted, topics, size_bytes, log_bytes = plan_scope(inventory, known, ledgers)
         if not scope and not deleted:
             return BufferRefresh(full=False, ledgers=[])
         replaced = sorted(scope | deleted)
@@ -389,8 +391,9 @@ def refresh_buffer(
     cached = [duplicates, scope_ledger_txns, txns, stable] + ([] if full else [entries])
     try:
         driver = size_bytes <= driver_write_max_bytes
+        # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
         result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write, driver,
-                        driver_write_max_bytes)
+                        not full and log_bytes <= driver_write_max_bytes)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
         counts = scoped_violation_totals(facts, scope_ledger_txns).first()
@@ -402,7 +405,7 @@ def refresh_buffer(
 
 
 def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write,
-           driver: bool, driver_write_max_bytes: int) -> BufferRefresh:
+           driver: bool, flip_by_driver: bool) -> BufferRefresh:
     full = kept_state is None
     replaced = sorted(scope | deleted)
     in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
@@ -433,7 +436,7 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     write(ABORTED_TXNS, aborted)
     write(COMMITTED_ENTRIES, read_committed(data, committed, stable))
     if not full:
-        _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted), driver_write_max_bytes)
+        _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted), flip_by_driver)
         if after_write:
             after_write("in_stable_prefix")
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
@@ -448,11 +451,11 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark")
 
 
-def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], driver_write_max_bytes: int) -> None:
+def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], by_driver: bool) -> None:
     """Set `in_stable_prefix` of the committed rows not rewritten where the topic's stable position moved.
 
-    Through delta-rs when `committed_entries`' files hold at most `driver_write_max_bytes` (an
-    UPDATE without Spark jobs), else with Spark MERGEs; the same rows either way.
+    `by_driver`: a delta-rs UPDATE (no Spark job; it rewrites the files it touches in this process),
+    for a log the caller knows is small; else Spark MERGEs. The same rows either way.
     """
     old = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in old_rows}
     moved = [(r.topic, r.max_read_ledger_id, r.max_read_entry_id, old.get(r.topic)) for r in new_rows
@@ -461,8 +464,8 @@ def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], 
         return
     forward = any(prev is None or prev < (l, e) for _, l, e, prev in moved)
     backward = any(prev is not None and prev > (l, e) for _, l, e, prev in moved)
-    tables = DeltaTables(wh)
-    if (tables.size_bytes(COMMITTED_ENTRIES) or 0) <= driver_write_max_bytes:
+    if by_driver:
+        tables = DeltaTables(wh)
         not_rewritten = f"NOT ({ledger_ids_predicate('visible_ledger_id', rewritten)})"
 
         def rows(flag: str, below: bool) -> str:

@@ -74,8 +74,9 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 
 # A write of at most this many bytes goes through the driver (collected as Arrow, committed by
 # delta-rs): a Spark Delta write or DELETE costs 5-8 Spark jobs however small the table, which made
-# small runs mostly fixed cost. Bigger ones stay on Spark. Each caller says what it measures
-# (the buffer: its scope's entries; the offload and retention: the tables they rewrite).
+# small runs mostly fixed cost. Bigger ones stay on Spark. Measured in entry bytes, the catalog's
+# `size_bytes` (the buffer: its scope's; the in_stable_prefix flip and retention: the whole log's),
+# never in Parquet file bytes: a 10M-entry log is 180 MB of files and ~2 GB of rows.
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 
 
@@ -176,14 +177,6 @@ class DeltaTables:
         if records.null_count:
             return handle.to_pyarrow_dataset().count_rows()
         return int(pc.sum(records).as_py() or 0)
-
-    def size_bytes(self, table: str) -> int | None:
-        """The bytes of the table's current data files (Delta file statistics, no data read); None when missing."""
-        handle = self._handle(table)
-        if handle is None:
-            return None
-        sizes = pa.table(handle.get_add_actions(flatten=True)).column("size_bytes")
-        return int(pc.sum(sizes).as_py() or 0)
 
     def delete(self, table: str, predicate: str) -> None:
         """Delete the rows matching `predicate` (delta-rs SQL) in one Delta commit; no-op on a missing table."""

@@ -61,7 +61,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, ledger_predicate, overwrite_small
+from txn_engine.delta_io import DeltaTables, ledger_predicate
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -174,19 +174,17 @@ def manifest_counts(classified: DataFrame) -> DataFrame:
 
 
 def delete_ledgers(wh: Warehouse, table: str, ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id",
-                   driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES) -> None:
+                   through_driver: bool = False) -> None:
     """Delete the rows of these (topic, ledger) pairs from `table` in one commit (no-op on a missing table).
 
-    Through delta-rs when the table's files hold at most `driver_write_max_bytes` (no Spark job;
-    Spark's DELETE runs several even on a small table), else with Spark's DELETE.
+    `through_driver`: by delta-rs (no Spark job; Spark's DELETE runs several even on a small table),
+    which rewrites the files it touches in this process: for tables the caller knows are small.
     """
     ledgers = sorted(set(ledgers))
-    tables = DeltaTables(wh)
-    size = tables.size_bytes(table)
-    if size is None or not ledgers:
+    if not ledgers:
         return
-    if size <= driver_write_max_bytes:
-        tables.delete(table, ledger_predicate(ledgers, ledger_column, delta_rs=True))
+    if through_driver:
+        DeltaTables(wh).delete(table, ledger_predicate(ledgers, ledger_column, delta_rs=True))
     else:
         wh.delete(table, ledger_predicate(ledgers, ledger_column))
 
@@ -208,7 +206,6 @@ class OffloadResult:
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
-    written_by: str = "spark"  # who wrote the tier rows: "spark", or "driver" (Arrow committed by delta-rs)
 
     @property
     def offloaded(self) -> list[LedgerKey]:
@@ -227,14 +224,11 @@ def offload_ledgers(
     warehouse: Warehouse,
     ledger_ids: Iterable[int] | None = None,
     crash_hook: Callable[[str], None] | None = None,
-    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
 ) -> OffloadResult:
     """Offload the eligible ledgers among `ledger_ids` (all ledgers when None), recovering first.
 
     `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
-    make it raise to simulate a crash there. When `ledger_entries`' files hold at most
-    `driver_write_max_bytes`, the tier rows are collected as Arrow and committed by delta-rs
-    (`written_by` "driver"), as the buffer writes a small run; bigger logs are copied by Spark.
+    make it raise to simulate a crash there.
     """
     wh = warehouse
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
@@ -253,8 +247,7 @@ def offload_ledgers(
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        small_log = (DeltaTables(wh).size_bytes(LEDGER_ENTRIES) or 0) <= driver_write_max_bytes
-        result = OffloadResult(facts_from=facts_from, written_by="driver" if small_log else "spark")
+        result = OffloadResult(facts_from=facts_from)
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
         in_tier = {
@@ -282,11 +275,11 @@ def offload_ledgers(
                     result.waiting[key] = row["waiting_reason"]
         result.rolled_back_orphans = sorted(orphans - targets)
         if result.rolled_back_orphans:
-            delete_ledgers(wh, OFFLOADED_ENTRIES, result.rolled_back_orphans, driver_write_max_bytes=driver_write_max_bytes)
+            delete_ledgers(wh, OFFLOADED_ENTRIES, result.rolled_back_orphans)
         if result.states_recorded:
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
         if targets:
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, small_log)
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook)
         return result
     finally:
         for frame in [*facts.cached_frames(), stable]:
@@ -302,7 +295,8 @@ def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tupl
         # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
         # duplicates in either version.
         ledger_txns = _as_of_now(wh, BUFFER_LEDGER_TXNS)
-        changed, deleted, _, _ = plan_scope(inventory_of(catalog), state_ledger_counts(ledger_txns), ())
+        plan = plan_scope(inventory_of(catalog), state_ledger_counts(ledger_txns), ())
+        changed, deleted = plan.ledgers, plan.deleted
         if not changed and not deleted:
             ledger_txns = ledger_txns.cache()
             duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
@@ -331,7 +325,6 @@ def _copy_ledgers(
     targets: list[LedgerKey],
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
-    through_driver: bool,
 ) -> list[dict]:
     predicate = ledger_predicate(targets)
     decided = facts.txns.where(F.col("outcome").isNotNull())
@@ -340,10 +333,7 @@ def _copy_ledgers(
     classified = classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
     kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
-    if through_driver:
-        overwrite_small(wh, OFFLOADED_ENTRIES, kept, predicate=ledger_predicate(targets, delta_rs=True))
-    else:
-        wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
     # The same rows again (same log version, same classification): what was written, counted.

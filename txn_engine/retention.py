@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.delta_io import DeltaTables, ledger_predicate
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, ledger_predicate
 from txn_engine.offload import LedgerKey, delete_ledgers, offloaded_ledgers
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -141,10 +141,13 @@ def apply_retention(
     now: datetime | None = None,
     crash_hook: Callable[[str], None] | None = None,
     dry_run: bool = False,
+    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
 ) -> RetentionResult:
     """Delete what `policy` chooses (and finish interrupted deletions). See the module doc for the steps.
 
-    With `dry_run` nothing is written: the result says what a real run would delete and free.
+    With `dry_run` nothing is written: the result says what a real run would delete and free. When
+    the log's entries (the catalog's `size_bytes`) come to at most `driver_write_max_bytes`, the
+    deletes go through delta-rs (`offload.delete_ledgers`), else through Spark's DELETE.
     """
     wh = warehouse
     now = now or datetime.now(timezone.utc)
@@ -174,9 +177,11 @@ def apply_retention(
         record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
         hook(AFTER_STATE)
     targets = sorted(chosen_set | set(unfinished))
-    delete_ledgers(wh, COMMITTED_ENTRIES, targets)
-    delete_ledgers(wh, TXN_MARKERS, targets)
-    delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id")
+    # Every table deleted from holds at most the log's entries: its bytes decide who deletes.
+    small = sum(int(r["size_bytes"]) for r in catalog if (r["topic"], r["ledger_id"]) in present) <= driver_write_max_bytes
+    delete_ledgers(wh, COMMITTED_ENTRIES, targets, through_driver=small)
+    delete_ledgers(wh, TXN_MARKERS, targets, through_driver=small)
+    delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id", through_driver=small)
     hook(AFTER_DERIVED)
-    delete_ledgers(wh, LEDGER_ENTRIES, targets)
+    delete_ledgers(wh, LEDGER_ENTRIES, targets, through_driver=small)
     return result
