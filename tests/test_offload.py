@@ -19,10 +19,9 @@ from txn_engine.offload import (
     FROM_LEDGER_ENTRIES,
     _buffer_facts,
     content_checksum,
-    delete_ledgers,
-    ledger_predicate,
     offload_ledgers,
 )
+from txn_engine.delta_io import delete_ledgers, ledger_predicate
 from txn_engine.schema import BUFFER_LEDGER_TXNS, LEDGER_ENTRIES, LEDGER_STATES_LOG, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
 

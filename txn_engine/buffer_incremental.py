@@ -357,7 +357,7 @@ def refresh_buffer(
         entries = entries_all
         kept_state = None
         old_stable = None
-        size_bytes = inventory.agg(F.sum("size_bytes")).first()[0] or 0
+        size_bytes = log_bytes = inventory.agg(F.sum("size_bytes")).first()[0] or 0
     else:
         # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
         # read by delta-rs, without the Spark jobs of a Delta scan.
@@ -393,7 +393,7 @@ def refresh_buffer(
         driver = size_bytes <= driver_write_max_bytes
         # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
         result = _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, deleted, after_write, driver,
-                        not full and log_bytes <= driver_write_max_bytes)
+                        log_bytes <= driver_write_max_bytes)
         result.full, result.recomputed_topics = full, sorted(topics)
         result.deleted_ledgers = sorted(deleted)
         counts = scoped_violation_totals(facts, scope_ledger_txns).first()

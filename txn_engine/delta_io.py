@@ -99,6 +99,22 @@ def ledger_predicate(ledgers: Iterable[tuple[str, int]], ledger_column: str = "l
     return " OR ".join(parts)
 
 
+def delete_ledgers(wh: Warehouse, table: str, ledgers: Iterable[tuple[str, int]], ledger_column: str = "ledger_id",
+                   through_driver: bool = False) -> None:
+    """Delete the rows of these (topic, ledger) pairs from `table` in one commit (no-op on a missing table).
+
+    `through_driver`: by delta-rs (no Spark job; Spark's DELETE runs several even on a small table),
+    which rewrites the files it touches in this process: for tables the caller knows are small.
+    """
+    ledgers = sorted(set(ledgers))
+    if not ledgers:
+        return
+    if through_driver:
+        DeltaTables(wh).delete(table, ledger_predicate(ledgers, ledger_column, delta_rs=True))
+    else:
+        wh.delete(table, ledger_predicate(ledgers, ledger_column))
+
+
 def sql_string(text: str, delta_rs: bool = False) -> str:
     """A string literal: Spark SQL escapes with a backslash; delta-rs (DataFusion) doubles a quote
     and reads a backslash as itself."""

@@ -61,7 +61,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DeltaTables, ledger_predicate
+from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -171,22 +171,6 @@ def manifest_counts(classified: DataFrame) -> DataFrame:
         F.coalesce(F.sum(F.when(kept, F.col("_bytes"))), F.lit(0)).cast("long").alias("bytes_after"),
         checksum_of(F.when(kept, F.col("_hash"))).alias("checksum"),
     )
-
-
-def delete_ledgers(wh: Warehouse, table: str, ledgers: Iterable[LedgerKey], ledger_column: str = "ledger_id",
-                   through_driver: bool = False) -> None:
-    """Delete the rows of these (topic, ledger) pairs from `table` in one commit (no-op on a missing table).
-
-    `through_driver`: by delta-rs (no Spark job; Spark's DELETE runs several even on a small table),
-    which rewrites the files it touches in this process: for tables the caller knows are small.
-    """
-    ledgers = sorted(set(ledgers))
-    if not ledgers:
-        return
-    if through_driver:
-        DeltaTables(wh).delete(table, ledger_predicate(ledgers, ledger_column, delta_rs=True))
-    else:
-        wh.delete(table, ledger_predicate(ledgers, ledger_column))
 
 
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:

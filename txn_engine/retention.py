@@ -31,8 +31,8 @@ from typing import Callable, Iterable
 
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, ledger_predicate
-from txn_engine.offload import LedgerKey, delete_ledgers, offloaded_ledgers
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
+from txn_engine.offload import LedgerKey, offloaded_ledgers
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
@@ -147,7 +147,7 @@ def apply_retention(
 
     With `dry_run` nothing is written: the result says what a real run would delete and free. When
     the log's entries (the catalog's `size_bytes`) come to at most `driver_write_max_bytes`, the
-    deletes go through delta-rs (`offload.delete_ledgers`), else through Spark's DELETE.
+    deletes go through delta-rs (`delta_io.delete_ledgers`), else through Spark's DELETE.
     """
     wh = warehouse
     now = now or datetime.now(timezone.utc)
