@@ -10,6 +10,12 @@ Three modes, side by side in one run on one warehouse:
 Commit latency is from the commit call to COMPLETE durable. Targets: >= 50,000 messages/s and
 p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,000).
 
+Upkeep (txn_engine.table_upkeep): the compactions the engine ran during the modes, and a soak
+beside them: BENCH_ENGINE_SOAK_COMMITS (3,000) appends of a pipelined round's rows (3,000 entries)
+to one table, with the engine's upkeep and without it (Delta's defaults), the append cost at the
+start and at the end of each. The soak's history is 10 s so that it expires within the soak (the
+engine's default is 5 minutes: at a steady commit rate the log then holds rate x 300 s files).
+
 Where the time goes: for each mode, the Delta commits per table (count, ms each, rows each) and
 the share of the mode's wall time the committer spent in them, and the load average (the machine
 is shared: figures are only comparable at similar load).
@@ -23,7 +29,15 @@ import time
 from collections import deque
 from pathlib import Path
 
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+import pyarrow as pa
+
+from txn_engine.delta_io import DeltaTables, arrow_schema
 from txn_engine.engine import Engine
+from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
+from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
 from txn_engine.settings import WarehouseSettings
 from txn_engine.warehouse import Warehouse
 
@@ -124,6 +138,59 @@ def _non_transactional(engine: Engine, messages_per_producer: int, in_flight: in
     return {"seconds": seconds, "messages_per_s": PRODUCERS * messages_per_producer / seconds}
 
 
+def _round_rows(rows: int, first_entry: int) -> pa.Table:
+    """A pipelined round's ledger_entries: DATA of 100-byte payloads over the benchmark's topics."""
+    schema = arrow_schema(LEDGER_ENTRIES_SCHEMA)
+    entry_ids = np.arange(first_entry, first_entry + rows, dtype=np.int64)
+    columns = {
+        "topic": pa.array([TOPICS[i % 2] for i in range(rows)]),
+        "ledger_id": pa.array(np.full(rows, 1, np.int64)),
+        "entry_id": pa.array(entry_ids),
+        "entry_type": pa.array(["DATA"] * rows),
+        "txn_most_bits": pa.array(np.zeros(rows, np.int64)),
+        "txn_least_bits": pa.array(entry_ids // MESSAGES_PER_TXN),
+        "producer_id": pa.array(np.full(rows, 7, np.int64)),
+        "producer_epoch": pa.array(np.zeros(rows, np.int32)),
+        "sequence_id": pa.array(entry_ids),
+        "publish_time": pa.repeat(pa.scalar(datetime.now(timezone.utc), schema.field("publish_time").type), rows),
+        "key": pa.nulls(rows, pa.string()),
+        "payload": pa.array([PAYLOAD] * rows, pa.binary()),
+    }
+    return pa.table(columns, schema=schema)
+
+
+def _soak(workdir: Path, commits: int, upkeep: bool) -> dict:
+    """`commits` appends of a round's rows to a fresh ledger_entries, with or without upkeep."""
+    warehouse = Warehouse(None, WarehouseSettings(warehouse=str(workdir / f"soak-{'upkeep' if upkeep else 'none'}")))
+    tables = DeltaTables(warehouse)
+    keeper = TableUpkeep(tables, UpkeepPolicy(log_retention=timedelta(seconds=10)), [LEDGER_ENTRIES]) if upkeep else None
+    window = max(1, commits // 10)
+    times: list[float] = []
+    started = time.perf_counter()
+    for i in range(commits):
+        rows = _round_rows(3_000, 3_000 * i)
+        t = time.perf_counter()
+        tables.append(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, rows)
+        times.append(time.perf_counter() - t)
+        if keeper is not None:
+            keeper.run_due()
+    seconds = time.perf_counter() - started
+    path = Path(warehouse.path(LEDGER_ENTRIES))
+    from deltalake import DeltaTable
+
+    return {
+        "first_ms": 1000 * sorted(times[:window])[window // 2],
+        "last_ms": 1000 * sorted(times[-window:])[window // 2],
+        "window": window,
+        "seconds": seconds,
+        "log_files": len(list((path / "_delta_log").iterdir())),
+        "data_files": len(DeltaTable(str(path)).file_uris()),
+        "compactions": len(keeper.compactions) if keeper else 0,
+        "compaction_s": sum(c.seconds for c in keeper.compactions) if keeper else 0.0,
+        "compaction_max_s": max((c.seconds for c in keeper.compactions), default=0.0) if keeper else 0.0,
+    }
+
+
 def run_benchmark(workdir: Path) -> dict:
     messages = int(os.environ.get("BENCH_ENTRIES", 400_000))
     in_flight = int(os.environ.get("BENCH_ENGINE_IN_FLIGHT", 256))
@@ -139,6 +206,10 @@ def run_benchmark(workdir: Path) -> dict:
         results["non_transactional"] = _measured(
             engine, lambda: _non_transactional(engine, txns_per_producer * MESSAGES_PER_TXN, in_flight)
         )
+        upkeep = engine.upkeep.compactions
+    print(f"  upkeep during the modes: {len(upkeep)} compactions, {sum(c.seconds for c in upkeep):.2f} s in all "
+          f"({', '.join(f'{c.table} {c.files_removed}->{c.files_added} files {c.seconds:.2f} s' for c in upkeep[-4:])})",
+          flush=True)
     for name, r in results.items():
         line = f"  {name:<18} {r['messages_per_s']:>10,.0f} msg/s"
         if "txns_per_s" in r:
@@ -158,6 +229,17 @@ def run_benchmark(workdir: Path) -> dict:
     base = results["non_transactional"]["messages_per_s"]
     for name in ("txn_blocking", "txn_pipelined"):
         print(f"  {name} / non_transactional: {results[name]['messages_per_s'] / base:.2f}x", flush=True)
+    soak_commits = int(os.environ.get("BENCH_ENGINE_SOAK_COMMITS", 3_000))
+    if soak_commits:
+        soaks = {mode: _soak(workdir, soak_commits, mode == "upkeep") for mode in ("none", "upkeep")}
+        for mode, r in soaks.items():
+            print(f"  soak, {soak_commits:,} appends of 3,000 rows, {'engine upkeep' if mode == 'upkeep' else 'no upkeep (Delta defaults)'}: "
+                  f"median append {r['first_ms']:.1f} ms (first {r['window']}) -> {r['last_ms']:.1f} ms (last {r['window']}); "
+                  f"{r['seconds']:.1f} s; then {r['log_files']} files in _delta_log, {r['data_files']} data files; "
+                  f"{r['compactions']} compactions, {r['compaction_s']:.1f} s (longest {r['compaction_max_s']:.2f} s)", flush=True)
+        print(f"  soak: last-window append, no upkeep / upkeep: {soaks['none']['last_ms'] / soaks['upkeep']['last_ms']:.2f}x",
+              flush=True)
+        results["soak"] = soaks
     best = results["txn_pipelined"]
     print(f"  targets: >= 50,000 msg/s -> {'met' if best['messages_per_s'] >= 50_000 else 'NOT met'}; "
           f"p99 commit <= 2 s -> {'met' if best['commit_p99_s'] <= 2 else 'NOT met'} (pipelined)", flush=True)

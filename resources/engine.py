@@ -9,9 +9,11 @@ from pydantic import Field
 
 from txn_engine.engine import Engine
 from txn_engine.ledger_writer import RolloverPolicy
+from txn_engine.table_upkeep import UpkeepPolicy
 from txn_engine.warehouse import Warehouse
 
 _DEFAULT = RolloverPolicy()
+_UPKEEP = UpkeepPolicy()
 
 
 class EngineResource(ConfigurableResource):
@@ -24,10 +26,22 @@ class EngineResource(ConfigurableResource):
         default=_DEFAULT.max_age.total_seconds(), description="... or when it has been open this long."
     )
 
+    log_retention_seconds: float = Field(
+        default=_UPKEEP.log_retention.total_seconds(),
+        description="Delta history (time travel) kept on the tables the engine appends to, unless a table sets "
+        "its own delta.logRetentionDuration. Each 1,000 commit files slow an append (txn_engine.table_upkeep).",
+    )
+    compact_every_commits: int = Field(
+        default=_UPKEEP.compact_every, description="Compact a table's small files every this many of its commits (0: never)."
+    )
+
+    def upkeep(self) -> UpkeepPolicy:
+        return UpkeepPolicy(log_retention=timedelta(seconds=self.log_retention_seconds), compact_every=self.compact_every_commits)
+
     def rollover(self) -> RolloverPolicy:
         return RolloverPolicy(
             self.rollover_max_entries, self.rollover_max_bytes, timedelta(seconds=self.rollover_max_age_seconds)
         )
 
     def open(self, warehouse: Warehouse) -> Engine:
-        return Engine(warehouse, txn_groups=self.txn_groups, rollover=self.rollover())
+        return Engine(warehouse, txn_groups=self.txn_groups, rollover=self.rollover(), upkeep=self.upkeep())

@@ -210,6 +210,37 @@ class DeltaTables:
             self._writers.pop(table, None)  # an append handle would first have to read this commit
         return int(metrics.get("num_updated_rows", 0))
 
+    def properties(self, table: str) -> dict[str, str]:
+        """The table's Delta properties (`delta.*` configuration); {} when it does not exist."""
+        handle = self._handle(table)
+        return {} if handle is None else dict(handle.metadata().configuration)
+
+    def set_properties(self, table: str, properties: dict[str, str]) -> None:
+        """Set Delta table properties in one metadata commit."""
+        with self.warehouse.writer(table):
+            retry_delta_conflicts(lambda: self._open(table).alter.set_table_properties(properties))
+            self._writers.pop(table, None)  # an append handle would first have to read this commit
+
+    def bytes_per_row(self, table: str) -> float:
+        """The table's stored bytes per row, from its files' sizes and `numRecords` (0 when empty)."""
+        handle = self._handle(table)
+        if handle is None:
+            return 0.0
+        actions = pa.table(handle.get_add_actions(flatten=True))
+        rows = pc.sum(actions.column("num_records")).as_py() or 0
+        return (pc.sum(actions.column("size_bytes")).as_py() or 0) / rows if rows else 0.0
+
+    def compact(self, table: str, target_size: int) -> dict[str, Any]:
+        """Merge the table's files smaller than `target_size` bytes into files of about that size,
+        in one Delta commit that changes no row (delta-rs OPTIMIZE: dataChange=false, insertion
+        order kept); returns delta-rs's metrics (`numFilesRemoved`, `numFilesAdded`, ...)."""
+        with self.warehouse.writer(table):
+            metrics = retry_delta_conflicts(
+                lambda: self._open(table).optimize.compact(target_size=target_size, max_concurrent_tasks=1)
+            )
+            self._writers.pop(table, None)  # an append handle would first have to read this commit
+        return metrics
+
     def read_column(self, table: str, column: str) -> pa.ChunkedArray:
         handle = self._handle(table)
         return handle.to_pyarrow_dataset().to_table(columns=[column]).column(column)

@@ -40,6 +40,8 @@ from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import LedgerWriter, PendingEntries, RolloverPolicy, WriteRequest
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.producer import IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_topic, _payload
+from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
+from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
 from txn_engine.transaction_buffer import EntryType, TxnId
 from txn_engine.txn_errors import EngineLockedError
 from txn_engine.warehouse import Warehouse
@@ -47,6 +49,7 @@ from txn_engine.warehouse import Warehouse
 ENGINE_LOCK = "engine"
 GIL_SWITCH_INTERVAL_S = 0.001  # see the module docstring
 GC_FIRST_GENERATION_THRESHOLD = 20_000  # see the module docstring (Python's default: 700)
+ENGINE_TABLES = (TXN_LOG, LEDGER_ENTRIES, CONSUMER_OFFSETS, LEDGER_STATES_LOG)  # what the engine appends to
 
 
 class InterpreterTuning:
@@ -118,13 +121,18 @@ class Engine:
         clock: Callable[[], datetime] = utc_now,
         crash_hook: Callable[[str], None] | None = None,
         max_rows_per_commit: int = 100_000,
+        upkeep: UpkeepPolicy | None = None,
     ):
         self.warehouse = warehouse
         self.clock = clock
         self._lock = EngineLock(warehouse)
         try:
             self.tables = DeltaTables(warehouse)
-            self.writer = LedgerWriter(self.tables, clock, rollover or RolloverPolicy(), max_rows_per_commit, crash_hook)
+            self.upkeep = TableUpkeep(self.tables, upkeep or UpkeepPolicy(), ENGINE_TABLES, crash_hook)
+            self.upkeep.keep_history_bounded()
+            self.writer = LedgerWriter(
+                self.tables, clock, rollover or RolloverPolicy(), max_rows_per_commit, crash_hook, self.upkeep
+            )
             self.coordinator = TransactionCoordinator(self.tables, self.writer, clock, txn_groups)
             self.sequences = ProducerStateManager(self.tables)
             self.recovered: list[TxnId] = self.coordinator.recover()

@@ -43,6 +43,7 @@ from txn_engine.schema import (
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
+from txn_engine.table_upkeep import TableUpkeep
 from txn_engine.txn_errors import EngineStoppedError
 
 log = logging.getLogger(__name__)
@@ -172,8 +173,10 @@ class LedgerWriter:
         rollover: RolloverPolicy,
         max_rows_per_commit: int = 100_000,
         crash_hook: Callable[[str], None] | None = None,
+        upkeep: TableUpkeep | None = None,
     ):
         self.tables = tables
+        self.upkeep = upkeep
         self.clock = clock
         self.rollover = rollover
         self.max_rows_per_commit = max_rows_per_commit
@@ -249,6 +252,8 @@ class LedgerWriter:
                 self._queue = waiting
             try:
                 self._write_round(batch)
+                if self.upkeep is not None:
+                    self.upkeep.run_due()  # between rounds: it holds a table's writer lock like a round
             except BaseException as exc:  # noqa: BLE001 - any failure stops the engine, see docstring
                 log.error("engine write failed, stopping: %s", exc)
                 with self._cond:
