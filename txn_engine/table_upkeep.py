@@ -125,8 +125,9 @@ class TableUpkeep:
         self._retention_set.add(table)
 
     def run_due(self) -> None:
-        """Bound the history of a table the engine created, and compact every table written
-        `compact_every` times since its last compaction (or since its last failed upkeep)."""
+        """Bound the history of a table the engine created, and compact the first table written
+        `compact_every` times since its last compaction (or its last failed upkeep); a second
+        due table waits for the next round, so the committer stalls for one compaction at most."""
         every = self.policy.compact_every
         for table in self.names:
             commits = self.tables.append_stats[table][0] if table in self.tables.append_stats else 0
@@ -148,6 +149,8 @@ class TableUpkeep:
                 self.failures += 1
                 self._compacted_at[table] = commits
                 log.warning("upkeep of %s failed (the engine goes on; retried in %d commits): %s", table, every, exc)
+            if due:
+                return  # one compaction between two rounds: tables written together fall due together
 
     def compact(self, table: str) -> Compaction:
         """One size-tiered compaction of `table` (module docstring)."""
