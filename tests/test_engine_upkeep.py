@@ -78,6 +78,19 @@ def test_a_version_within_the_history_reads_as_it_was_after_compactions(warehous
     assert again.sort_by([("topic", "ascending"), ("entry_id", "ascending")]).equals(early)
 
 
+def test_a_backlog_of_small_files_is_compacted_at_start_before_any_write(warehouse):
+    with Engine(warehouse, upkeep=replace(SMALL, compact_every=0)) as engine:  # an engine without compaction
+        producer = engine.producer("upkeep")
+        producer.init_transactions()
+        _commit(engine, producer, 30)
+    backlog = len(DeltaTable(warehouse.path(LEDGER_ENTRIES)).file_uris())
+    assert backlog > SMALL.compact_every
+    with Engine(warehouse, upkeep=SMALL) as engine:
+        assert {c.table for c in engine.upkeep.compactions} >= {TXN_LOG, LEDGER_ENTRIES}
+        assert len(DeltaTable(warehouse.path(LEDGER_ENTRIES)).file_uris()) < backlog / 4
+        assert [e.payload for e in engine.consumer("upkeep-b").read()] == [f"b{i}".encode() for i in range(30)]
+
+
 def test_an_operators_log_retention_is_kept(warehouse):
     with Engine(warehouse, upkeep=SMALL) as engine:
         producer = engine.producer("upkeep")

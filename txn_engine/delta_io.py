@@ -221,6 +221,11 @@ class DeltaTables:
             retry_delta_conflicts(lambda: self._open(table).alter.set_table_properties(properties))
             self._writers.pop(table, None)  # an append handle would first have to read this commit
 
+    def file_count(self, table: str) -> int:
+        """The table's active data files (0 when it does not exist)."""
+        handle = self._handle(table)
+        return 0 if handle is None else len(handle.file_uris())
+
     def bytes_per_row(self, table: str) -> float:
         """The table's stored bytes per row, from its files' sizes and `numRecords` (0 when empty)."""
         handle = self._handle(table)

@@ -129,7 +129,7 @@ class Engine:
         try:
             self.tables = DeltaTables(warehouse)
             self.upkeep = TableUpkeep(self.tables, upkeep or UpkeepPolicy(), ENGINE_TABLES, crash_hook)
-            self.upkeep.keep_history_bounded()
+            self.upkeep.start()
             self.writer = LedgerWriter(
                 self.tables, clock, rollover or RolloverPolicy(), max_rows_per_commit, crash_hook, self.upkeep
             )

@@ -111,10 +111,15 @@ class TableUpkeep:
         self.compactions: list[Compaction] = []
         self.failures = 0
 
-    def keep_history_bounded(self) -> None:
-        """Set the log retention on every existing table that has none (at engine start)."""
+    def start(self) -> None:
+        """At engine start, before any write: set the log retention on every existing table that
+        has none, and compact a table holding more than `compact_every` files (a backlog from an
+        engine without upkeep, or one stopped between compactions). A backlog's first compaction
+        rewrites all its small files once; done here it delays the start, not acknowledgements."""
         for table in self.names:
             self._bound_history(table)
+            if self.policy.compact_every and self.tables.file_count(table) > self.policy.compact_every:
+                self.compact(table)
 
     def _bound_history(self, table: str) -> None:
         if table in self._retention_set or not self.tables.exists(table):
