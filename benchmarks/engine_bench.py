@@ -163,7 +163,9 @@ def _soak(workdir: Path, commits: int, upkeep: bool) -> dict:
     """`commits` appends of a round's rows to a fresh ledger_entries, with or without upkeep."""
     warehouse = Warehouse(None, WarehouseSettings(warehouse=str(workdir / f"soak-{'upkeep' if upkeep else 'none'}")))
     tables = DeltaTables(warehouse)
-    keeper = TableUpkeep(tables, UpkeepPolicy(log_retention=timedelta(seconds=10)), [LEDGER_ENTRIES]) if upkeep else None
+    # Ten seconds of history and of replaced files, so that a soak of a minute or two shows both bounded.
+    policy = UpkeepPolicy(log_retention=timedelta(seconds=10), file_retention=timedelta(seconds=10))
+    keeper = TableUpkeep(tables, policy, [LEDGER_ENTRIES]) if upkeep else None
     window = max(1, commits // 10)
     times: list[float] = []
     started = time.perf_counter()
@@ -185,6 +187,11 @@ def _soak(workdir: Path, commits: int, upkeep: bool) -> dict:
         "seconds": seconds,
         "log_files": len(list((path / "_delta_log").iterdir())),
         "data_files": len(DeltaTable(str(path)).file_uris()),
+        "files_on_disk": sum(1 for f in path.iterdir() if f.suffix == ".parquet"),
+        "mib_on_disk": sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) / 2**20,
+        "vacuums": len(keeper.vacuums) if keeper else 0,
+        "vacuum_s": sum(v.seconds for v in keeper.vacuums) if keeper else 0.0,
+        "files_vacuumed": sum(v.files_deleted for v in keeper.vacuums) if keeper else 0,
         "compactions": len(keeper.compactions) if keeper else 0,
         "compaction_s": sum(c.seconds for c in keeper.compactions) if keeper else 0.0,
         "compaction_max_s": max((c.seconds for c in keeper.compactions), default=0.0) if keeper else 0.0,
@@ -235,8 +242,10 @@ def run_benchmark(workdir: Path) -> dict:
         for mode, r in soaks.items():
             print(f"  soak, {soak_commits:,} appends of 3,000 rows, {'engine upkeep' if mode == 'upkeep' else 'no upkeep (Delta defaults)'}: "
                   f"median append {r['first_ms']:.1f} ms (first {r['window']}) -> {r['last_ms']:.1f} ms (last {r['window']}); "
-                  f"{r['seconds']:.1f} s; then {r['log_files']} files in _delta_log, {r['data_files']} data files; "
-                  f"{r['compactions']} compactions, {r['compaction_s']:.1f} s (longest {r['compaction_max_s']:.2f} s)", flush=True)
+                  f"{r['seconds']:.1f} s; then {r['log_files']} files in _delta_log, {r['data_files']} data files "
+                  f"({r['files_on_disk']} on disk, {r['mib_on_disk']:.0f} MiB); "
+                  f"{r['compactions']} compactions, {r['compaction_s']:.1f} s (longest {r['compaction_max_s']:.2f} s); "
+                  f"{r['vacuums']} VACUUMs, {r['vacuum_s']:.2f} s, {r['files_vacuumed']} files deleted", flush=True)
         print(f"  soak: last-window append, no upkeep / upkeep: {soaks['none']['last_ms'] / soaks['upkeep']['last_ms']:.2f}x",
               flush=True)
         results["soak"] = soaks

@@ -31,12 +31,21 @@ class EngineResource(ConfigurableResource):
         description="Delta history (time travel) kept on the tables the engine appends to, unless a table sets "
         "its own delta.logRetentionDuration. Each 1,000 commit files slow an append (txn_engine.table_upkeep).",
     )
+    file_retention_seconds: float = Field(
+        default=_UPKEEP.file_retention.total_seconds(),
+        description="How long a file replaced by compaction stays on disk before the engine's VACUUM deletes it "
+        "(readers mid-scan), unless a table sets its own delta.deletedFileRetentionDuration.",
+    )
     compact_every_commits: int = Field(
         default=_UPKEEP.compact_every, description="Compact a table's small files every this many of its commits (0: never)."
     )
 
     def upkeep(self) -> UpkeepPolicy:
-        return UpkeepPolicy(log_retention=timedelta(seconds=self.log_retention_seconds), compact_every=self.compact_every_commits)
+        return UpkeepPolicy(
+            log_retention=timedelta(seconds=self.log_retention_seconds),
+            file_retention=timedelta(seconds=self.file_retention_seconds),
+            compact_every=self.compact_every_commits,
+        )
 
     def rollover(self) -> RolloverPolicy:
         return RolloverPolicy(

@@ -14,7 +14,13 @@ from deltalake.exceptions import TableNotFoundError
 
 from txn_engine.engine import Engine
 from txn_engine.schema import LEDGER_ENTRIES, TXN_LOG
-from txn_engine.table_upkeep import BEFORE_COMPACTION, LOG_RETENTION_PROPERTY, UpkeepPolicy
+from txn_engine.table_upkeep import (
+    BEFORE_COMPACTION,
+    BEFORE_VACUUM,
+    FILE_RETENTION_PROPERTY,
+    LOG_RETENTION_PROPERTY,
+    UpkeepPolicy,
+)
 from txn_engine.txn_errors import InjectedCrash
 
 SMALL = UpkeepPolicy(log_retention=timedelta(seconds=1), compact_every=10, small_file_rows=20, fanout=2, max_file_rows=80)
@@ -30,6 +36,14 @@ def _commit(engine: Engine, producer, n: int, start: int = 0) -> None:
 
 def _log_files(warehouse, table: str) -> int:
     return len(os.listdir(os.path.join(warehouse.path(table), "_delta_log")))
+
+
+def _data_files_on_disk(warehouse, table: str) -> set[str]:
+    return {f for f in os.listdir(warehouse.path(table)) if f.endswith(".parquet") and not f.startswith(".")}
+
+
+def _data_files_referenced(warehouse, table: str) -> set[str]:
+    return {os.path.basename(uri) for uri in DeltaTable(warehouse.path(table)).file_uris()}
 
 
 def test_upkeep_bounds_files_and_history_and_changes_no_row(warehouse, spark):
@@ -101,31 +115,62 @@ def test_an_operators_log_retention_is_kept(warehouse):
         producer = engine.producer("upkeep")
         producer.init_transactions()
         _commit(engine, producer, 15)
-    assert DeltaTable(warehouse.path(TXN_LOG)).metadata().configuration[LOG_RETENTION_PROPERTY] == "interval 7 days"
+    txn_log = DeltaTable(warehouse.path(TXN_LOG)).metadata().configuration
+    assert txn_log[LOG_RETENTION_PROPERTY] == "interval 7 days"
+    assert txn_log[FILE_RETENTION_PROPERTY] == "interval 3600 seconds"  # the one it did not set: the engine's
     assert DeltaTable(warehouse.path(LEDGER_ENTRIES)).metadata().configuration[LOG_RETENTION_PROPERTY] == "interval 1 seconds"
 
 
-def test_a_failed_compaction_leaves_the_engine_running(warehouse):
+def test_replaced_files_are_vacuumed_after_their_retention_and_no_row_changes(warehouse, spark):
+    policy = replace(SMALL, log_retention=timedelta(minutes=5), file_retention=timedelta(seconds=1))
+    with Engine(warehouse, upkeep=policy) as engine:
+        producer = engine.producer("upkeep")
+        producer.init_transactions()
+        _commit(engine, producer, 30)
+        written = _data_files_on_disk(warehouse, LEDGER_ENTRIES)
+        time.sleep(1.5)  # the files replaced so far are now older than the retention
+        _commit(engine, producer, 30, start=30)
+        vacuums = list(engine.upkeep.vacuums)
+        assert engine.upkeep.failures == 0
+    assert {v.table for v in vacuums if v.files_deleted} >= {TXN_LOG, LEDGER_ENTRIES}, vacuums
+    assert not written <= _data_files_on_disk(warehouse, LEDGER_ENTRIES), "no replaced file was deleted"
+    for table in (TXN_LOG, LEDGER_ENTRIES):
+        assert DeltaTable(warehouse.path(table)).metadata().configuration[FILE_RETENTION_PROPERTY] == "interval 1 seconds"
+        assert _data_files_referenced(warehouse, table) <= _data_files_on_disk(warehouse, table)
+    time.sleep(1.5)
+    with Engine(warehouse, upkeep=policy) as engine:  # its start VACUUMs what the last run left
+        for table in (TXN_LOG, LEDGER_ENTRIES):
+            assert _data_files_on_disk(warehouse, table) == _data_files_referenced(warehouse, table), table
+        read = [e.payload for e in engine.consumer("upkeep-a").read()]
+    assert read == [f"a{i}".encode() for i in range(60)]
+    frame = spark.read.format("delta").load(warehouse.path(LEDGER_ENTRIES))
+    assert frame.count() == frame.select("topic", "ledger_id", "entry_id").distinct().count() == 240
+
+
+@pytest.mark.parametrize("point", [BEFORE_COMPACTION, BEFORE_VACUUM])
+def test_a_failed_upkeep_step_leaves_the_engine_running(warehouse, point):
     failures = []
 
-    def crash_first_compaction(point: str) -> None:
-        if point == BEFORE_COMPACTION and not failures:
-            failures.append(point)
-            raise InjectedCrash("injected crash before a compaction")
+    def crash_first(at: str) -> None:
+        if at == point and not failures:
+            failures.append(at)
+            raise InjectedCrash(f"injected crash at {at}")
 
-    with Engine(warehouse, upkeep=SMALL, crash_hook=crash_first_compaction) as engine:
+    with Engine(warehouse, upkeep=SMALL, crash_hook=crash_first) as engine:
         producer = engine.producer("upkeep")
         producer.init_transactions()
         _commit(engine, producer, 40)
-        assert engine.upkeep.failures == 1 and engine.writer.stopped is None
-        assert engine.upkeep.compactions, "upkeep did not compact again after the failure"
+        assert failures and engine.upkeep.failures == 1 and engine.writer.stopped is None
+        done = engine.upkeep.compactions if point == BEFORE_COMPACTION else engine.upkeep.vacuums
+        assert done, f"upkeep did not run again after the failure at {point}"
         assert [e.payload for e in engine.consumer("upkeep-a").read()] == [f"a{i}".encode() for i in range(40)]
 
 
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"log_retention": timedelta(0)}, "log_retention must be positive"),
+        ({"log_retention": timedelta(0)}, "log_retention must be at least one second"),
+        ({"file_retention": timedelta(milliseconds=10)}, "file_retention must be at least one second"),
         ({"fanout": 1}, "fanout=1 (>= 2)"),
         ({"small_file_rows": 100, "max_file_rows": 10}, "max_file_rows (10) is below small_file_rows (100)"),
     ],

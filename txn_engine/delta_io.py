@@ -246,6 +246,16 @@ class DeltaTables:
             self._writers.pop(table, None)  # an append handle would first have to read this commit
         return metrics
 
+    def vacuum(self, table: str) -> list[str]:
+        """Delete the files of `table` that no version references and that were removed (or, never
+        committed, written) longer ago than its `delta.deletedFileRetentionDuration` (Delta's
+        default: a week): delta-rs VACUUM in full mode, which also finds files whose tombstones a
+        checkpoint has dropped. Returns the deleted files' paths."""
+        with self.warehouse.writer(table):
+            deleted = retry_delta_conflicts(lambda: self._open(table).vacuum(dry_run=False, full=True))
+            self._writers.pop(table, None)  # an append handle would first have to read its commits
+        return deleted
+
     def read_column(self, table: str, column: str) -> pa.ChunkedArray:
         handle = self._handle(table)
         return handle.to_pyarrow_dataset().to_table(columns=[column]).column(column)

@@ -1,4 +1,4 @@
-"""Upkeep of the Delta tables the engine appends to: bounded history, bounded file count.
+"""Upkeep of the Delta tables the engine appends to: bounded history, file count and disk.
 
 Every group commit adds one Delta version and one data file to each table it writes, and
 delta-rs pays for both on every later append (deltalake 1.6, local filesystem, measured):
@@ -20,8 +20,15 @@ So the engine keeps both bounded, the way a log broker manages its segments:
    the files' ledger ranges are kept). Size-tiered, as log-structured stores do, so that no
    compaction rewrites much: usually into files of `small_file_rows` rows; every `fanout`-th
    compaction of a table into files `fanout` times bigger, and so on up to `max_file_rows` (and
-   `max_file_bytes`). The files it replaces stay on disk for readers mid-scan and time travel,
-   until a VACUUM.
+   `max_file_bytes`).
+3. **Disk.** The files a compaction replaces hold no row of their own, but readers mid-scan and
+   time travel may still need them. The engine sets `delta.deletedFileRetentionDuration` to
+   `file_retention` (an hour by default; again an operator's value wins) and, after each
+   compaction of a table, VACUUMs it (delta-rs, full mode) in a later gap between rounds: the
+   files removed longer ago than that are deleted, and so is any file no version references
+   that is older than that (left by a crashed writer, or a tombstone a checkpoint dropped).
+   With the history at five minutes no reader can load a version whose files are an hour
+   gone; an hour covers a reader that loaded its version and is still scanning it.
 
 Upkeep runs in the committer between rounds (it holds the table's writer lock like any write).
 It is maintenance: a failure is logged and retried at the next due point; it never stops the
@@ -42,10 +49,12 @@ from txn_engine.delta_io import DeltaTables
 log = logging.getLogger(__name__)
 
 LOG_RETENTION_PROPERTY = "delta.logRetentionDuration"
+FILE_RETENTION_PROPERTY = "delta.deletedFileRetentionDuration"
 # A file of fewer bytes is always merged: Parquet's per-file overhead (footer, schema: a few KB)
 # makes the bytes per row of tiny files no guide to how many rows a file holds.
 MIN_TARGET_BYTES = 1024 * 1024
 BEFORE_COMPACTION = "before_compaction"  # crash point: a table is due and about to be compacted
+BEFORE_VACUUM = "before_vacuum"  # crash point: a compacted table is about to be vacuumed
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class UpkeepPolicy:
     """How the engine keeps its tables cheap to append to (module docstring)."""
 
     log_retention: timedelta = timedelta(minutes=5)
+    file_retention: timedelta = timedelta(hours=1)  # how long a replaced file stays on disk
     compact_every: int = 100  # a table's commits between two compactions; 0 turns compaction off
     small_file_rows: int = 100_000
     fanout: int = 10
@@ -60,8 +70,9 @@ class UpkeepPolicy:
     max_file_bytes: int = 128 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        if self.log_retention <= timedelta(0):
-            raise ValueError(f"log_retention must be positive, got {self.log_retention}")
+        for name in ("log_retention", "file_retention"):
+            if getattr(self, name) < timedelta(seconds=1):
+                raise ValueError(f"{name} must be at least one second, got {getattr(self, name)}")
         if self.compact_every < 0 or self.small_file_rows < 1 or self.fanout < 2 or self.max_file_bytes < 1:
             raise ValueError(
                 f"compaction settings out of range: compact_every={self.compact_every} (>= 0), "
@@ -71,9 +82,12 @@ class UpkeepPolicy:
         if self.max_file_rows < self.small_file_rows:
             raise ValueError(f"max_file_rows ({self.max_file_rows}) is below small_file_rows ({self.small_file_rows})")
 
-    def retention_property(self) -> str:
-        """The Delta table property's value, in Delta's interval syntax."""
-        return f"interval {int(self.log_retention.total_seconds())} seconds"
+    def retention_properties(self) -> dict[str, str]:
+        """The Delta table properties that bound history and replaced files, in Delta's interval syntax."""
+        return {
+            LOG_RETENTION_PROPERTY: f"interval {int(self.log_retention.total_seconds())} seconds",
+            FILE_RETENTION_PROPERTY: f"interval {int(self.file_retention.total_seconds())} seconds",
+        }
 
     def target_rows(self, compaction: int) -> int:
         """The file size, in rows, of a table's `compaction`-th compaction (1-based): the small
@@ -96,6 +110,15 @@ class Compaction:
     seconds: float
 
 
+@dataclass(frozen=True)
+class Vacuum:
+    """One VACUUM of a table's replaced files, as reported by the benchmark and the tests."""
+
+    table: str
+    files_deleted: int
+    seconds: float
+
+
 class TableUpkeep:
     """Applies an UpkeepPolicy to the tables an engine appends to."""
 
@@ -108,31 +131,45 @@ class TableUpkeep:
         self._compacted_at: dict[str, int] = {}  # a table's append count at its last compaction
         self._compactions: Counter[str] = Counter()
         self._retention_set: set[str] = set()
+        self._vacuum_due: set[str] = set()  # compacted since their last VACUUM
         self.compactions: list[Compaction] = []
+        self.vacuums: list[Vacuum] = []
         self.failures = 0
 
     def start(self) -> None:
-        """At engine start, before any write: set the log retention on every existing table that
-        has none, and compact a table holding more than `compact_every` files (a backlog from an
-        engine without upkeep, or one stopped between compactions). A backlog's first compaction
-        rewrites all its small files once; done here it delays the start, not acknowledgements."""
+        """At engine start, before any write: set the retentions on every existing table that
+        has none; compact a table holding more than `compact_every` files (a backlog from an
+        engine without upkeep, or one stopped between compactions); VACUUM what earlier runs
+        left. A backlog's first compaction rewrites all its small files once; done here it delays
+        the start, not acknowledgements. A failure is logged, as in `run_due`: the engine starts."""
         for table in self.names:
-            self._bound_history(table)
-            if self.policy.compact_every and self.tables.file_count(table) > self.policy.compact_every:
-                self.compact(table)
+            if not self.tables.exists(table):
+                continue
+            try:
+                self._bound_history(table)
+                if self.policy.compact_every and self.tables.file_count(table) > self.policy.compact_every:
+                    self.compact(table)
+                self.crash_hook(BEFORE_VACUUM)
+                self.vacuum(table)
+            except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
+                self.failures += 1
+                log.warning("upkeep of %s at start failed (the engine starts; retried later): %s", table, exc)
 
     def _bound_history(self, table: str) -> None:
         if table in self._retention_set or not self.tables.exists(table):
             return
-        if LOG_RETENTION_PROPERTY not in self.tables.properties(table):
-            self.tables.set_properties(table, {LOG_RETENTION_PROPERTY: self.policy.retention_property()})
-            log.info("%s: Delta history bounded to %s", table, self.policy.log_retention)
+        own = self.tables.properties(table)
+        missing = {k: v for k, v in self.policy.retention_properties().items() if k not in own}
+        if missing:
+            self.tables.set_properties(table, missing)
+            log.info("%s: Delta retention set: %s", table, missing)
         self._retention_set.add(table)
 
     def run_due(self) -> None:
         """Bound the history of a table the engine created, and compact the first table written
         `compact_every` times since its last compaction (or its last failed upkeep); a second
-        due table waits for the next round, so the committer stalls for one compaction at most."""
+        due table waits for the next round, so the committer stalls for one compaction at most.
+        A gap without a compaction VACUUMs one table compacted since its last VACUUM."""
         every = self.policy.compact_every
         for table in self.names:
             commits = self.tables.append_stats[table][0] if table in self.tables.append_stats else 0
@@ -156,6 +193,24 @@ class TableUpkeep:
                 log.warning("upkeep of %s failed (the engine goes on; retried in %d commits): %s", table, every, exc)
             if due:
                 return  # one compaction between two rounds: tables written together fall due together
+        table = next((t for t in self.names if t in self._vacuum_due), None)
+        if table is not None:
+            self._vacuum_due.discard(table)
+            try:
+                self.crash_hook(BEFORE_VACUUM)
+                self.vacuum(table)
+            except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
+                self.failures += 1
+                log.warning("VACUUM of %s failed (the engine goes on; retried after its next compaction): %s", table, exc)
+
+    def vacuum(self, table: str) -> Vacuum:
+        """Delete `table`'s files that no version references and that were removed (or written,
+        for a file never committed) longer ago than its file retention (module docstring)."""
+        started = time.perf_counter()
+        deleted = self.tables.vacuum(table)
+        done = Vacuum(table, len(deleted), time.perf_counter() - started)
+        self.vacuums.append(done)
+        return done
 
     def compact(self, table: str) -> Compaction:
         """One size-tiered compaction of `table` (module docstring)."""
@@ -168,4 +223,5 @@ class TableUpkeep:
         done = Compaction(table, rows, int(metrics.get("numFilesRemoved", 0)), int(metrics.get("numFilesAdded", 0)),
                           time.perf_counter() - started)
         self.compactions.append(done)
+        self._vacuum_due.add(table)
         return done
