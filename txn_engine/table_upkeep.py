@@ -143,17 +143,24 @@ class TableUpkeep:
         left. A backlog's first compaction rewrites all its small files once; done here it delays
         the start, not acknowledgements. A failure is logged, as in `run_due`: the engine starts."""
         for table in self.names:
-            if not self.tables.exists(table):
-                continue
-            try:
-                self._bound_history(table)
-                if self.policy.compact_every and self.tables.file_count(table) > self.policy.compact_every:
-                    self.compact(table)
-                self.crash_hook(BEFORE_VACUUM)
-                self.vacuum(table)
-            except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
-                self.failures += 1
-                log.warning("upkeep of %s at start failed (the engine starts; retried later): %s", table, exc)
+            if self.tables.exists(table):
+                self._attempt(table, "at start; retried later", lambda: self._start_upkeep(table))
+
+    def _start_upkeep(self, table: str) -> None:
+        self._bound_history(table)
+        if self.policy.compact_every and self.tables.file_count(table) > self.policy.compact_every:
+            self.compact(table)
+        self._due_vacuum(table)
+
+    def _attempt(self, table: str, retry: str, step: Callable[[], object]) -> bool:
+        """Run one upkeep step; a failure is logged and counted, never raised (module docstring)."""
+        try:
+            step()
+            return True
+        except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
+            self.failures += 1
+            log.warning("upkeep of %s failed (the engine goes on; %s): %s", table, retry, exc)
+            return False
 
     def _bound_history(self, table: str) -> None:
         if table in self._retention_set or not self.tables.exists(table):
@@ -182,26 +189,24 @@ class TableUpkeep:
             self._compacted_at.setdefault(table, 0)
             if due:
                 self._compacted_at[table] = commits
-            try:
-                self._bound_history(table)
-                if due:
-                    self.crash_hook(BEFORE_COMPACTION)
-                    self.compact(table)
-            except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
-                self.failures += 1
+            if not self._attempt(table, f"retried in {every} commits", lambda: self._due_upkeep(table, due)):
                 self._compacted_at[table] = commits
-                log.warning("upkeep of %s failed (the engine goes on; retried in %d commits): %s", table, every, exc)
             if due:
                 return  # one compaction between two rounds: tables written together fall due together
         table = next((t for t in self.names if t in self._vacuum_due), None)
         if table is not None:
             self._vacuum_due.discard(table)
-            try:
-                self.crash_hook(BEFORE_VACUUM)
-                self.vacuum(table)
-            except Exception as exc:  # noqa: BLE001 - maintenance: see the module docstring
-                self.failures += 1
-                log.warning("VACUUM of %s failed (the engine goes on; retried after its next compaction): %s", table, exc)
+            self._attempt(table, "its VACUUM retried after its next compaction", lambda: self._due_vacuum(table))
+
+    def _due_upkeep(self, table: str, compact: bool) -> None:
+        self._bound_history(table)
+        if compact:
+            self.crash_hook(BEFORE_COMPACTION)
+            self.compact(table)
+
+    def _due_vacuum(self, table: str) -> None:
+        self.crash_hook(BEFORE_VACUUM)
+        self.vacuum(table)
 
     def vacuum(self, table: str) -> Vacuum:
         """Delete `table`'s files that no version references and that were removed (or written,
