@@ -163,6 +163,7 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
         "ledgers_finished": MetadataValue.json([f"{t}/{l}" for t, l in result.finished]),
         "entries_freed": result.freed_entries,
         "bytes_freed": result.freed_bytes,
+        "files_reclaimed": MetadataValue.int(result.files_reclaimed),  # from disk, past the tables' file retention
     }
     if config.dry_run:
         context.log_event(AssetObservation(asset_key=DELETED_LEDGERS, metadata=outcome))

@@ -231,6 +231,9 @@ def cmd_retention(args: argparse.Namespace) -> int:
     for key in meta["ledgers_finished"]:
         print(f"  finished the interrupted deletion of {key}")
     print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
+    if not args.dry_run:
+        print(f"VACUUM deleted {meta['files_reclaimed']} file(s) from disk: those earlier deletes replaced, past each "
+              "table's delta.deletedFileRetentionDuration (Delta's default: 7 days)")
     _print_materializations(result)  # (none for a dry run)
     if meta["ledgers_deleted"] and not args.dry_run:
         _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))  # the catalog shows DELETED

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
+from deltalake import DeltaTable
 
 from tests.offload_history import COMMIT_D, HISTORY, G, derive_buffer_tables, oracle_read
 from tests.rows import entry, write_jsonl
@@ -101,6 +104,39 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     # Applying the policy again deletes nothing more.
     again = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
     assert again.deleted == [] and again.finished == []
+
+
+def data_files_on_disk(wh, table):
+    root = wh.path(table)
+    return {os.path.join(folder, f) for folder, dirs, files in os.walk(root) if "_delta_log" not in folder
+            for f in files if f.endswith(".parquet") and not f.startswith(".")}
+
+
+def data_files_referenced(wh, table):
+    return {os.path.normpath(uri.removeprefix("file://")) for uri in DeltaTable(wh.path(table)).file_uris()}
+
+
+def test_retention_frees_the_disk_of_deleted_ledgers_after_the_file_retention(offloaded):
+    wh = offloaded
+    tables = (COMMITTED_ENTRIES, TXN_MARKERS, ABORTED_TXNS, LEDGER_ENTRIES)
+    for table in tables:
+        DeltaTable(wh.path(table)).alter.set_table_properties({"delta.deletedFileRetentionDuration": "interval 2 seconds"})
+    before = {t: read_positions(wh, t) for t in ("t", "u")}
+    referenced = {table: data_files_referenced(wh, table) for table in tables}
+
+    first = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
+    assert first.deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    # The files the deletes replaced are younger than the retention: still on disk for readers.
+    replaced = {table: referenced[table] - data_files_referenced(wh, table) for table in tables}
+    assert replaced[LEDGER_ENTRIES] and replaced[COMMITTED_ENTRIES], replaced
+    assert all(replaced[table] <= data_files_on_disk(wh, table) for table in tables)
+
+    time.sleep(2.5)
+    second = apply_retention(wh, RetentionPolicy(keep_ledgers=1))  # deletes nothing more, frees the disk
+    assert second.deleted == [] and second.files_reclaimed >= sum(len(files) for files in replaced.values())
+    for table in tables:
+        assert data_files_on_disk(wh, table) == data_files_referenced(wh, table), table
+    assert {t: read_positions(wh, t) for t in ("t", "u")} == before
 
 
 def test_by_default_only_offloaded_ledgers_are_deleted(warehouse, tmp_path):
@@ -212,6 +248,7 @@ def test_txnlake_retention_dry_run_then_delete_then_catalog(offloaded, warehouse
     assert main(["retention", "--keep-ledgers", "1"]) == 0
     out = capsys.readouterr().out
     assert "deleted 4 ledger(s): 14 entries" in out and "deleted_ledgers" in out
+    assert "VACUUM deleted 0 file(s) from disk" in out  # what the deletes replaced is kept 7 days (Delta's default)
     assert ledger_keys(wh.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 6), ("u", 7), ("v", 8)]
     assert ledger_keys(wh.read(DELETED_LEDGERS)) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
     # The `ledgers` table (refreshed by the command) shows them DELETED.

@@ -12,6 +12,12 @@ Deleting a ledger, in this order (each step idempotent; the state log is the int
    set `aborted_txns` every abort whose marker was in it (the trim of the brief);
 4. its rows leave `ledger_entries`, last: a ledger recorded DELETED that still has entries is
    unfinished, and every retention run finishes those first.
+Then the disk: a Delta DELETE only removes files from the table's current version, so every
+(non-dry) run VACUUMs those four tables (delta-rs, full mode): the files removed longer ago than
+a table's `delta.deletedFileRetentionDuration` (Delta's default, 7 days, unless set: readers of
+older versions and time travel need them until then) are deleted. Space is freed that long after
+a ledger is deleted, by the first retention run after that, as Kafka frees a deleted segment
+after `file.delete.delay.ms`.
 The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
 
 A recompute of the buffer over the remaining `ledger_entries` gives the same trimmed abort set
@@ -133,6 +139,7 @@ class RetentionResult:
     freed_entries: int = 0
     freed_bytes: int = 0
     dry_run: bool = False
+    files_reclaimed: int = 0  # files VACUUM deleted from disk (removed by earlier deletes, past their retention)
 
 
 def apply_retention(
@@ -161,27 +168,35 @@ def apply_retention(
     result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run,
                              freed_entries=sum(int(r["entry_count"]) for r in chosen_rows),
                              freed_bytes=sum(int(r["size_bytes"]) for r in chosen_rows))
-    if dry_run or (not chosen and not unfinished):
+    if dry_run:
         return result
-    hook = crash_hook or (lambda step: None)
-    if chosen:
-        # A row per deleted ledger, committed by delta-rs; Spark collected the timestamps as naive local times.
-        last_known = [
-            {**{f.name: _utc(r[f.name]) if isinstance(r[f.name], datetime) else r[f.name] for f in DELETED_LEDGERS_SCHEMA.fields
-                if f.name != "deleted_at"}, "deleted_at": _utc(now)}
-            for r in chosen_rows
-        ]
-        DeltaTables(wh).overwrite(DELETED_LEDGERS, last_known, DELETED_LEDGERS_SCHEMA,
-                                  predicate=ledger_predicate(chosen, delta_rs=True))
-        hook(AFTER_CATALOG)
-        record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
-        hook(AFTER_STATE)
-    targets = sorted(chosen_set | set(unfinished))
-    # Every table deleted from holds at most the log's entries: its bytes decide who deletes.
-    small = sum(int(r["size_bytes"]) for r in catalog if (r["topic"], r["ledger_id"]) in present) <= driver_write_max_bytes
-    delete_ledgers(wh, COMMITTED_ENTRIES, targets, through_driver=small)
-    delete_ledgers(wh, TXN_MARKERS, targets, through_driver=small)
-    delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id", through_driver=small)
-    hook(AFTER_DERIVED)
-    delete_ledgers(wh, LEDGER_ENTRIES, targets, through_driver=small)
+    if chosen or unfinished:
+        hook = crash_hook or (lambda step: None)
+        if chosen:
+            # A row per deleted ledger, committed by delta-rs; Spark collected the timestamps as naive local times.
+            last_known = [
+                {**{f.name: _utc(r[f.name]) if isinstance(r[f.name], datetime) else r[f.name] for f in DELETED_LEDGERS_SCHEMA.fields
+                    if f.name != "deleted_at"}, "deleted_at": _utc(now)}
+                for r in chosen_rows
+            ]
+            DeltaTables(wh).overwrite(DELETED_LEDGERS, last_known, DELETED_LEDGERS_SCHEMA,
+                                      predicate=ledger_predicate(chosen, delta_rs=True))
+            hook(AFTER_CATALOG)
+            record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
+            hook(AFTER_STATE)
+        targets = sorted(chosen_set | set(unfinished))
+        # Every table deleted from holds at most the log's entries: its bytes decide who deletes.
+        small = sum(int(r["size_bytes"]) for r in catalog if (r["topic"], r["ledger_id"]) in present) <= driver_write_max_bytes
+        delete_ledgers(wh, COMMITTED_ENTRIES, targets, through_driver=small)
+        delete_ledgers(wh, TXN_MARKERS, targets, through_driver=small)
+        delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id", through_driver=small)
+        hook(AFTER_DERIVED)
+        delete_ledgers(wh, LEDGER_ENTRIES, targets, through_driver=small)
+    result.files_reclaimed = _reclaim_disk(wh)
     return result
+
+
+def _reclaim_disk(wh: Warehouse) -> int:
+    """VACUUM the tables retention deletes from (module docstring); returns the files deleted."""
+    tables = DeltaTables(wh)
+    return sum(len(tables.vacuum(t)) for t in (COMMITTED_ENTRIES, TXN_MARKERS, ABORTED_TXNS, LEDGER_ENTRIES) if tables.exists(t))
