@@ -28,9 +28,12 @@ from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SN
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
 from pipelines.buffer_sensors import ledgers_closed_sensor, transaction_buffer_job
+from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
+from txn_engine.buffer_incremental import STATE_TABLES
+from txn_engine.engine import ENGINE_TABLES
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
 ALL_ASSETS = [
@@ -74,14 +77,21 @@ demo_job = define_asset_job(
     description="Run the demo workload through the transaction engine (what `txnlake demo` does).",
 )
 
+# Every asset is the Delta table of its name (those that are not, like demo_workload, are skipped).
+ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in asset.keys}
+# ... plus the buffer's state tables (rewritten by every buffer run) and the engine's.
+MAINTAINED_TABLES = sorted(ASSET_TABLES | set(STATE_TABLES) | set(ENGINE_TABLES))
+maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)
+
 RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine": EngineResource()}
 
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job],
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job,
+          maintenance_job],
     sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS, offload_eligible_ledgers],
-    schedules=[*SNAPSHOT_SCHEDULES, retention_schedule],
+    schedules=[*SNAPSHOT_SCHEDULES, retention_schedule, maintenance_schedule],
     resources=RESOURCES,
     executor=in_process_executor,
 )

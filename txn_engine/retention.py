@@ -39,6 +39,7 @@ from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.offload import LedgerKey, offloaded_ledgers
+from txn_engine.table_upkeep import vacuum_table
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
@@ -199,4 +200,5 @@ def apply_retention(
 def _reclaim_disk(wh: Warehouse) -> int:
     """VACUUM the tables retention deletes from (module docstring); returns the files deleted."""
     tables = DeltaTables(wh)
-    return sum(len(tables.vacuum(t)) for t in (COMMITTED_ENTRIES, TXN_MARKERS, ABORTED_TXNS, LEDGER_ENTRIES) if tables.exists(t))
+    hot = (COMMITTED_ENTRIES, TXN_MARKERS, ABORTED_TXNS, LEDGER_ENTRIES)
+    return sum(vacuum_table(tables, t).files_deleted for t in hot if tables.exists(t))

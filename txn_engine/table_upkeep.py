@@ -119,6 +119,13 @@ class Vacuum:
     seconds: float
 
 
+def vacuum_table(tables: DeltaTables, table: str) -> Vacuum:
+    """VACUUM `table` with its own `delta.deletedFileRetentionDuration` (`DeltaTables.vacuum`), timed."""
+    started = time.perf_counter()
+    deleted = tables.vacuum(table)
+    return Vacuum(table, len(deleted), time.perf_counter() - started)
+
+
 class TableUpkeep:
     """Applies an UpkeepPolicy to the tables an engine appends to."""
 
@@ -211,9 +218,7 @@ class TableUpkeep:
     def vacuum(self, table: str) -> Vacuum:
         """Delete `table`'s files that no version references and that were removed (or written,
         for a file never committed) longer ago than its file retention (module docstring)."""
-        started = time.perf_counter()
-        deleted = self.tables.vacuum(table)
-        done = Vacuum(table, len(deleted), time.perf_counter() - started)
+        done = vacuum_table(self.tables, table)
         self.vacuums.append(done)
         return done
 

@@ -1,0 +1,69 @@
+"""Table maintenance: VACUUM the warehouse's Delta tables, each with its own file retention.
+
+Every buffer run rewrites parts of the derived tables (`replaceWhere`, whole overwrites of the
+small ones), retention deletes from the hot tables, snapshots and the offload replace rows, and a
+Delta rewrite only takes the old files out of the table's current version: without a VACUUM the
+disk grows with every run, as the engine's tables did before their upkeep. This job VACUUMs every
+table of the Definitions (and the engine's, which VACUUM themselves after compactions: harmless)
+with delta-rs, no Spark: the files removed longer ago than the table's
+`delta.deletedFileRetentionDuration` (Delta's default, 7 days: readers of older versions and time
+travel need them until then) are deleted. Each asset gets an observation with what was deleted.
+
+(No `from __future__ import annotations`: Dagster resolves the nested op's annotations at definition.)
+"""
+
+from typing import Sequence
+
+from dagster import (
+    AssetKey,
+    AssetObservation,
+    DefaultScheduleStatus,
+    JobDefinition,
+    OpExecutionContext,
+    ScheduleDefinition,
+    in_process_executor,
+    job,
+    op,
+)
+
+from resources.warehouse import WarehouseResource
+from txn_engine.delta_io import DeltaTables
+from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY, vacuum_table
+from txn_engine.warehouse import Warehouse
+
+DELTA_DEFAULT_FILE_RETENTION = "Delta's default (7 days)"
+
+
+def table_maintenance(tables: Sequence[str], asset_tables: set[str]) -> tuple[JobDefinition, ScheduleDefinition]:
+    """The `table_maintenance` job over `tables` (an observation for those in `asset_tables`), and
+    its daily schedule (running by default: it deletes only files no version references)."""
+
+    @op(name="vacuum_tables", description="VACUUM every table, each with its own file retention (delta-rs).")
+    def vacuum_tables(context: OpExecutionContext, warehouse: WarehouseResource) -> None:
+        delta = DeltaTables(Warehouse(None, warehouse.settings()))  # delta-rs only: no JVM for this job
+        total = 0
+        for table in tables:
+            if not delta.exists(table):
+                continue
+            done = vacuum_table(delta, table)
+            retention = delta.properties(table).get(FILE_RETENTION_PROPERTY, DELTA_DEFAULT_FILE_RETENTION)
+            total += done.files_deleted
+            context.log.info(f"{table}: VACUUM deleted {done.files_deleted} file(s) in {done.seconds:.2f} s (retention {retention})")
+            if table in asset_tables:
+                context.log_event(AssetObservation(asset_key=AssetKey(table), metadata={
+                    "files_vacuumed": done.files_deleted, "vacuum_seconds": round(done.seconds, 3), "file_retention": retention,
+                }))
+        context.log.info(f"table maintenance: {total} file(s) deleted from disk")
+
+    @job(name="table_maintenance", executor_def=in_process_executor,
+         description="VACUUM the warehouse's Delta tables: the files rewrites and deletes replaced, once older "
+         "than each table's delta.deletedFileRetentionDuration (Delta's default 7 days).")
+    def maintenance_job() -> None:
+        vacuum_tables()
+
+    schedule = ScheduleDefinition(
+        name="table_maintenance_schedule", job=maintenance_job, cron_schedule="30 4 * * *",
+        default_status=DefaultScheduleStatus.RUNNING,
+        description="Daily at 04:30 (after retention at 03:00): VACUUM every table.",
+    )
+    return maintenance_job, schedule
