@@ -7,9 +7,10 @@ from datetime import datetime, timedelta, timezone
 import pyarrow.compute as pc
 import pytest
 
-from txn_engine.engine import Engine
+from txn_engine.engine import GC_FIRST_GENERATION_THRESHOLD, Engine
 from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
 from txn_engine.positions import Position
+from txn_engine.producer import RECENT_SENDS_KEPT
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
@@ -94,6 +95,10 @@ def test_errors_say_what_happened_and_what_to_do(engine, warehouse):
         p.send("", b"x")
     with pytest.raises(TypeError, match="bytes or str"):
         p.send("t", 42)
+    with pytest.raises(TypeError, match="a message key is a str or None, got int; nothing was written"):
+        p.send("t", b"x", key=7)
+    with pytest.raises(TypeError, match="a message key is a str or None"):
+        engine.send("t", b"x", key=b"k")
     with pytest.raises(ValueError, match="transaction_timeout must be positive"):
         engine.producer("x", transaction_timeout=0)
     with pytest.raises(EngineLockedError, match="another transaction engine is running on this warehouse .*pid"):
@@ -168,6 +173,20 @@ def test_duplicate_and_out_of_order_sends(engine, warehouse):
         retried = again.sequences.check(pid, "t", 0)
         assert retried.result() == first
         assert again.sequences.next_sequence(pid, "t") == 2
+
+
+def test_retries_of_recent_and_of_older_sends_are_acknowledged_once(engine):
+    """The last RECENT_SENDS_KEPT sends of a (producer, topic) are answered from memory, older ones
+    from Delta: either way with the original position and nothing written again."""
+    ip = engine.idempotent_producer()
+    sends = [ip.send("t", f"m{i}".encode()) for i in range(RECENT_SENDS_KEPT + 5)]
+    positions = [s.result() for s in sends]
+    written = entries(engine).num_rows
+    last = len(sends) - 1
+    for sequence in (0, 4, 5, last - RECENT_SENDS_KEPT + 1, last):
+        assert ip.send("t", b"again", sequence=sequence).result() == positions[sequence]
+    assert ip.send("t", b"next", sequence=last + 1).result() != positions[last]
+    assert entries(engine).num_rows == written + 1
 
 
 def test_crash_after_prepare_then_recovery_writes_each_marker_once(warehouse):
@@ -250,11 +269,11 @@ def test_finished_transactions_leave_no_state_behind(warehouse, tmp_path):
 
     before = (gc.get_threshold(), sys.getswitchinterval())
     with Engine(warehouse) as engine:
-        assert gc.get_threshold()[0] >= 20_000 and sys.getswitchinterval() <= 0.001
+        assert gc.get_threshold()[0] == GC_FIRST_GENERATION_THRESHOLD and sys.getswitchinterval() <= 0.001
         other = Engine(Warehouse(None, WarehouseSettings(warehouse=str(tmp_path / "other"))))
         other.close()
         other.close()  # twice: harmless
-        assert gc.get_threshold()[0] >= 20_000  # still tuned while this engine runs
+        assert gc.get_threshold()[0] == GC_FIRST_GENERATION_THRESHOLD  # still tuned while this engine runs
         p = engine.producer("busy")
         p.init_transactions()
         futures = []

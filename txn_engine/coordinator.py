@@ -30,7 +30,9 @@ from txn_engine.schema import (
     TXN_LOG_SCHEMA,
 )
 from txn_engine.transaction_buffer import EntryType, TxnId
-from txn_engine.txn_errors import InvalidTxnStateError, TransactionAbortedError, UnknownTransactionError
+from txn_engine.txn_errors import (
+    InvalidTxnStateError, ProducerFencedError, TransactionAbortedError, UnknownTransactionError,
+)
 
 
 class TxnStatus(StrEnum):
@@ -239,8 +241,6 @@ class TransactionCoordinator:
         return pid
 
     def check_epoch(self, transactional_id: str, epoch: int) -> ProducerIdentity:
-        from txn_engine.txn_errors import ProducerFencedError
-
         identity = self.producers[transactional_id]
         if identity.epoch != epoch:
             raise ProducerFencedError(
@@ -309,9 +309,9 @@ class TransactionCoordinator:
         prepare = PREPARE[outcome]
         t.state = prepare
         t.actor, t.reason = actor, reason
-        for identity in self.producers.values():
-            if identity.txn == t.txn:
-                identity.txn = None
+        identity = self.producers.get(t.transactional_id) if t.transactional_id is not None else None
+        if identity is not None and identity.txn == t.txn:
+            identity.txn = None  # its producer's open transaction (see ensure_txn); one lookup, not a scan
 
         def completed(_positions) -> None:
             t.state = COMPLETE[outcome]
@@ -367,6 +367,8 @@ class TransactionCoordinator:
         return markers
 
     def _offset_rows(self, t: Transaction) -> list[dict[str, Any]]:
+        if not t.offsets:
+            return []
         now = self.clock()
         with self.lock:
             self._log_seq += 1

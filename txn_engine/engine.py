@@ -12,12 +12,15 @@ Python's 5 ms): every acknowledgement waits for the committer, and each time the
 back from a delta-rs commit it waits for the GIL while producer threads run Python. Measured
 with 8 producer threads: 1.3-1.6x the pipelined throughput.
 
-For the same reason the garbage collector's first generation is collected every 20,000
+For the same reason the garbage collector's first generation is collected every 100,000
 allocations instead of every 700 while an engine runs: each send and commit allocates a few
 short-lived containers (futures, rows, batches), so with Python's default the collector ran
 about every 150 messages and, through its older generations, rescanned everything the engine
 keeps. Measured with the engine benchmark's producers (400,000 messages, 128 transactions in
-flight, quiet): the collector's time went from 3.2 s to 0.3-0.4 s a run, throughput up 17%.
+flight, quiet): the collector's time went from 3.2 s to 0.3-0.4 s a run at 20,000, throughput up
+17%. With 2,048 transactions in flight the live objects alone come near 20,000, so it still ran
+~30 times a run at ~25 ms each (0.6-0.7 s); at 100,000 it runs twice (0.05 s). Objects freed by
+reference counting never reach the threshold, so memory stays bounded by the live set + 100,000.
 
 Both settings are the process's: set when its first engine starts, restored when its last closes.
 """
@@ -39,7 +42,9 @@ from txn_engine.coordinator import TransactionCoordinator
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import LedgerWriter, PendingEntries, RolloverPolicy, WriteRequest
 from txn_engine.positions import EARLIEST, Position
-from txn_engine.producer import IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_topic, _payload
+from txn_engine.producer import (
+    IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_key, _check_topic, _payload,
+)
 from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
 from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
 from txn_engine.transaction_buffer import EntryType, TxnId
@@ -48,7 +53,7 @@ from txn_engine.warehouse import Warehouse
 
 ENGINE_LOCK = "engine"
 GIL_SWITCH_INTERVAL_S = 0.001  # see the module docstring
-GC_FIRST_GENERATION_THRESHOLD = 20_000  # see the module docstring (Python's default: 700)
+GC_FIRST_GENERATION_THRESHOLD = 100_000  # see the module docstring (Python's default: 700)
 ENGINE_TABLES = (TXN_LOG, LEDGER_ENTRIES, CONSUMER_OFFSETS, LEDGER_STATES_LOG)  # what the engine appends to
 
 
@@ -156,26 +161,10 @@ class Engine:
     def send(self, topic: str, value: bytes | str, key: str | None = None) -> SendFuture:
         """A plain non-transactional, non-idempotent send."""
         _check_topic(topic)
+        _check_key(key)
         entries = PendingEntries(EntryType.DATA.value)
         entries.add(topic, key=key, payload=_payload(value))
         return SendFuture(self.writer.submit(WriteRequest(entries=entries)))
-
-    def sequenced_send(self, producer_id, epoch, topic, payload, key, sequence, batch, flush,
-                       txn: TxnId | None = None) -> SendFuture:
-        """The de-duplicating send path, into the producer's batch; call under its `coordinator.producer_lock`."""
-        if sequence is None:
-            seq = self.sequences.next_sequence(producer_id, topic)
-        else:
-            seq = int(sequence)
-            original = self.sequences.check(producer_id, topic, seq)
-            if original is not None:
-                return original  # a retry: acknowledged with its original position
-        future, index = batch.add(txn, producer_id, epoch, topic, seq, key, payload)
-        send = SendFuture(future, index, seq, flush)
-        self.sequences.record(producer_id, topic, seq, send)
-        if batch.full:
-            flush()
-        return send
 
     # -- coordinator -------------------------------------------------------------------------
 

@@ -152,7 +152,12 @@ class WriteRequest:
     future: Future = field(default_factory=Future)
 
     def ready(self) -> bool:
-        return all(f.done() for f in self.depends_on)
+        # Checked for every queued request each round: a plain loop, and once ready, never again.
+        for future in self.depends_on:
+            if not future.done():
+                return False
+        self.depends_on = []
+        return True
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Sequence numbers are per (producer id, topic) and keep counting across epochs, because readers
 drop duplicates by (topic, producer_id, sequence_id) (see `committed_entries`): a sequence is
-never reused. The ProducerStateManager decides, under the coordinator's lock, whether a send
+never reused. The ProducerStateManager decides, under the producer id's lock, whether a send
 is the next one (written), one already written (acknowledged with its original position, written
 once) or leaves a gap (refused, nothing written).
 """
@@ -10,13 +10,14 @@ once) or leaves a gap (refused, nothing written).
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Mapping
 
 import pyarrow.compute as pc
 
-from txn_engine.coordinator import ProducerIdentity
+from txn_engine.coordinator import ProducerIdentity, TxnStatus
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import PendingEntries, WriteRequest
 from txn_engine.positions import Position
@@ -77,13 +78,39 @@ class SendAccumulator:
             request = self.request = WriteRequest(entries=entries)
         return request.future, request.entries.add(topic, sequence, key, payload)
 
-    @property
-    def full(self) -> bool:
-        return self.request is not None and len(self.request.entries) >= MAX_BATCH_ENTRIES
-
     def take(self) -> WriteRequest | None:
         request, self.request = self.request, None
         return request
+
+
+class TopicSequences:
+    """One (producer id, topic)'s sequences: the last one written and the acknowledgements of the
+    last RECENT_SENDS_KEPT sends, in a ring indexed by sequence (sequences are written without
+    gaps, so the ring holds exactly the sends after `last - RECENT_SENDS_KEPT`; an acknowledgement
+    from before a restart is not there and is looked up in Delta). Shared by the instances of a
+    transactional id; read and changed under its producer lock."""
+
+    __slots__ = ("producer_id", "topic", "last", "recent")
+
+    def __init__(self, producer_id: int, topic: str, last: int = -1):
+        self.producer_id = producer_id
+        self.topic = topic
+        self.last = last
+        # Made on the first send: the pairs loaded at start (every producer ever stored) cost no ring.
+        self.recent: list[SendFuture | None] | None = None
+
+    def record(self, sequence: int, future: SendFuture) -> None:
+        self.last = sequence
+        recent = self.recent
+        if recent is None:
+            recent = self.recent = [None] * RECENT_SENDS_KEPT
+        recent[sequence % RECENT_SENDS_KEPT] = future
+
+    def recent_send(self, sequence: int) -> SendFuture | None:
+        if self.recent is None or sequence <= self.last - RECENT_SENDS_KEPT:
+            return None
+        future = self.recent[sequence % RECENT_SENDS_KEPT]
+        return future if future is not None and future.sequence == sequence else None
 
 
 class ProducerStateManager:
@@ -91,24 +118,34 @@ class ProducerStateManager:
 
     def __init__(self, tables: DeltaTables):
         self.tables = tables
-        self._last: dict[tuple[int, str], int] = {}
-        # The last RECENT_SENDS_KEPT sends of each (producer, topic): sequences there are consecutive.
-        self._recent: dict[tuple[int, str], dict[int, SendFuture]] = {}
+        self._topic_sequences: dict[tuple[int, str], TopicSequences] = {}
         stored = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["producer_id", "topic", "sequence_id"])
         stored = stored.filter(pc.is_valid(stored["sequence_id"]))
         if stored.num_rows:
             last = stored.group_by(["producer_id", "topic"]).aggregate([("sequence_id", "max")])
             for pid, topic, seq in zip(*(last[c].to_pylist() for c in ("producer_id", "topic", "sequence_id_max"))):
-                self._last[(pid, topic)] = seq
+                self._topic_sequences[(pid, topic)] = TopicSequences(pid, topic, seq)
+
+    def of(self, producer_id: int, topic: str) -> TopicSequences:
+        """The sequences of (producer_id, topic), created empty for a new pair (one dict operation:
+        two producer ids never race for one key, and setdefault is atomic)."""
+        state = self._topic_sequences.get((producer_id, topic))
+        if state is None:
+            state = self._topic_sequences.setdefault((producer_id, topic), TopicSequences(producer_id, topic))
+        return state
 
     def next_sequence(self, producer_id: int, topic: str) -> int:
-        return self._last.get((producer_id, topic), -1) + 1
+        return self.of(producer_id, topic).last + 1
 
     def check(self, producer_id: int, topic: str, sequence: int) -> SendFuture | None:
         """None when `sequence` is the next one; the original acknowledgement for a retry; raises on a gap."""
-        expected = self.next_sequence(producer_id, topic)
+        return self.check_state(self.of(producer_id, topic), sequence)
+
+    def check_state(self, state: TopicSequences, sequence: int) -> SendFuture | None:
+        expected = state.last + 1
         if sequence == expected:
             return None
+        producer_id, topic = state.producer_id, state.topic
         if sequence > expected:
             raise OutOfOrderSequenceError(
                 f"sequence {sequence} of producer {producer_id} on topic {topic!r} is out of order: the next "
@@ -118,9 +155,9 @@ class ProducerStateManager:
             )
         if sequence < 0:
             raise OutOfOrderSequenceError(f"sequence numbers start at 0, got {sequence}; nothing was written")
-        recent = self._recent.get((producer_id, topic), {})
-        if sequence in recent:
-            return recent[sequence]
+        recent = state.recent_send(sequence)
+        if recent is not None:
+            return recent
         return self._stored_position(producer_id, topic, sequence)
 
     def _stored_position(self, producer_id: int, topic: str, sequence: int) -> SendFuture:
@@ -142,17 +179,10 @@ class ProducerStateManager:
         future.set_result([Position(hit["ledger_id"][0].as_py(), hit["entry_id"][0].as_py())])
         return SendFuture(future, 0, sequence)
 
-    def record(self, producer_id: int, topic: str, sequence: int, future: SendFuture) -> None:
-        key = (producer_id, topic)
-        self._last[key] = sequence
-        recent = self._recent.get(key)
-        if recent is None:
-            recent = self._recent[key] = {}
-        recent[sequence] = future
-        recent.pop(sequence - RECENT_SENDS_KEPT, None)
-
 
 def _payload(value: bytes | str) -> bytes:
+    if type(value) is bytes:
+        return value
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, (bytes, bytearray, memoryview)):
@@ -160,12 +190,57 @@ def _payload(value: bytes | str) -> bytes:
     raise TypeError(f"a message value is bytes or str, got {type(value).__name__}; encode it first")
 
 
+def _check_key(key: str | None) -> None:
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"a message key is a str or None, got {type(key).__name__}; nothing was written")
+
+
 def _check_topic(topic: str) -> None:
     if not isinstance(topic, str) or not topic.strip():
         raise ValueError(f"topic must be a non-empty string like 'orders-partition-0', got {topic!r}")
 
 
-class IdempotentProducer:
+class SequencedSends(ABC):
+    """What both producers share: the de-duplicating send path into the producer's batch. Each
+    producer keeps its topics' TopicSequences at hand, so a send costs no lookup by (producer, topic)
+    and its topic is validated once."""
+
+    engine: "Engine"
+    _batch: SendAccumulator
+    _topic_sequences: dict[str, TopicSequences]
+
+    def _sequences(self, producer_id: int, topic: str) -> TopicSequences:
+        state = self._topic_sequences.get(topic) if type(topic) is str else None
+        if state is None or state.producer_id != producer_id:
+            _check_topic(topic)
+            state = self._topic_sequences[topic] = self.engine.sequences.of(producer_id, topic)
+        return state
+
+    def _send(self, producer_id: int, epoch: int, topic: str, payload: bytes, key: str | None,
+              sequence: int | None, txn: TxnId | None) -> SendFuture:
+        """Call under the producer id's lock."""
+        state = self._sequences(producer_id, topic)
+        if sequence is None:
+            seq = state.last + 1
+        else:
+            seq = int(sequence)
+            original = self.engine.sequences.check_state(state, seq)
+            if original is not None:
+                return original  # a retry: acknowledged with its original position
+        batch = self._batch
+        future, index = batch.add(txn, producer_id, epoch, topic, seq, key, payload)
+        send = SendFuture(future, index, seq, self.flush)
+        state.record(seq, send)
+        if index >= MAX_BATCH_ENTRIES - 1:  # the batch is full
+            self.flush()
+        return send
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Queue the sends held back in this producer's batch."""
+
+
+class IdempotentProducer(SequencedSends):
     """Non-transactional sends with sequence numbers: a retried send is written once."""
 
     def __init__(self, engine: "Engine", producer_id: int, epoch: int = 0):
@@ -173,16 +248,17 @@ class IdempotentProducer:
         self.producer_id = producer_id
         self.epoch = epoch
         self._batch = SendAccumulator()
+        self._topic_sequences = {}
         self._lock = engine.coordinator.producer_lock(producer_id)
 
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry; `sequence` (default: the next one) makes a retry safe."""
-        _check_topic(topic)
         payload = _payload(value)
+        if key is not None:
+            _check_key(key)
         with self._lock:
-            return self.engine.sequenced_send(
-                self.producer_id, self.epoch, topic, payload, key, sequence, self._batch, self.flush
-            )
+            self.engine.writer.check_running()
+            return self._send(self.producer_id, self.epoch, topic, payload, key, sequence, None)
 
     def flush(self) -> None:
         """Queue the sends held back in this producer's batch (waiting on a send does it too)."""
@@ -192,7 +268,7 @@ class IdempotentProducer:
                 self.engine.writer.submit(request)
 
 
-class TransactionalProducer:
+class TransactionalProducer(SequencedSends):
     """A transactional producer session: init_transactions, begin, send, send_offsets, commit, abort."""
 
     def __init__(self, engine: "Engine", transactional_id: str, transaction_timeout: timedelta | float = 60.0):
@@ -209,6 +285,7 @@ class TransactionalProducer:
         self.txn: TxnId | None = None
         self._sends: list[Future] = []  # queued batches of the open transaction
         self._batch = SendAccumulator()
+        self._topic_sequences = {}
         self._lock = threading.RLock()  # its producer id's lock once initialized (see `producer_lock`)
 
     def init_transactions(self) -> tuple[int, int]:
@@ -248,18 +325,17 @@ class TransactionalProducer:
 
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry in the open transaction; `result()` of the answer is its position."""
-        _check_topic(topic)
         payload = _payload(value)
+        if key is not None:
+            _check_key(key)
         coordinator = self.engine.coordinator
         with self._lock:  # not the coordinator's: `flush` checks again under it, in queue order
             identity = self._identity()
             txn = self._open_txn()
             t = coordinator.txns.get(txn)
-            if t is not None:
+            if t is not None and t.state is not TxnStatus.ONGOING:
                 coordinator.require_ongoing(t)
-            return self.engine.sequenced_send(
-                identity.producer_id, identity.epoch, topic, payload, key, sequence, self._batch, self.flush, txn=txn
-            )
+            return self._send(identity.producer_id, identity.epoch, topic, payload, key, sequence, txn)
 
     def flush(self) -> None:
         """Queue the sends held back in this producer's batch (waiting on a send does it too).
