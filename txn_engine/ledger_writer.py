@@ -329,35 +329,38 @@ class LedgerWriter:
 
     def _write_entries(self, requests: list[WriteRequest]) -> tuple[list[Positions], list]:
         """Give every entry of `requests` its position and append them, in queue order."""
-        batches = [request.entries for request in requests]
-        total = sum(len(b) for b in batches if b)
+        counts = [0 if r.entries is None else len(r.entries.topics) for r in requests]
+        total = sum(counts)
         if total == 0:
             return [NO_POSITIONS] * len(requests), []
         now = self.clock()
+        batches = [r.entries for r, n in zip(requests, counts) if n]
         topics, sequences, keys, payloads = [], [], [], []
-        types, most, least, producers, epochs = [], [], [], [], []
         for b in batches:
-            if not b:
-                continue
-            n = len(b)
             topics += b.topics
             sequences += b.sequences
             keys += b.keys
             payloads += b.payloads
-            types += [b.entry_type] * n
-            most += [b.txn_most_bits] * n
-            least += [b.txn_least_bits] * n
-            producers += [b.producer_id] * n
-            epochs += [b.producer_epoch] * n
+        # What a batch shares (type, transaction, producer, epoch): one value per batch, repeated
+        # to its entries by one `take` (lists of 4,000 repeated Python values were a fifth of this).
+        each_entry = pa.array(np.repeat(np.arange(len(batches)), [n for n in counts if n]))
+
+        def shared(values: list, type_: pa.DataType) -> pa.Array:
+            return pa.array(values, type_).take(each_entry)
+
         topic_array = pa.array(topics, pa.string())
         key_array = pa.array(keys, pa.string())
         payload_array = pa.array(payloads, pa.binary())
         ledger_ids, entry_ids, closed = self._assign_positions(topic_array, key_array, payload_array, now)
         table = pa.Table.from_arrays(
             [
-                topic_array, pa.array(ledger_ids), pa.array(entry_ids), pa.array(types, pa.string()),
-                pa.array(most, pa.int64()), pa.array(least, pa.int64()), pa.array(producers, pa.int64()),
-                pa.array(epochs, pa.int32()), pa.array(sequences, pa.int64()),
+                topic_array, pa.array(ledger_ids), pa.array(entry_ids),
+                shared([b.entry_type for b in batches], pa.string()),
+                shared([b.txn_most_bits for b in batches], pa.int64()),
+                shared([b.txn_least_bits for b in batches], pa.int64()),
+                shared([b.producer_id for b in batches], pa.int64()),
+                shared([b.producer_epoch for b in batches], pa.int32()),
+                pa.array(sequences, pa.int64()),
                 pa.repeat(pa.scalar(now, _ENTRY_SCHEMA.field("publish_time").type), total), key_array, payload_array,
             ],
             schema=_ENTRY_SCHEMA,
@@ -366,8 +369,7 @@ class LedgerWriter:
             self.tables.append(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, table.slice(start, self.max_rows_per_commit))
             self.crash_hook(AFTER_ENTRIES_CHUNK)
         positions, offset = [], 0
-        for b in batches:
-            n = len(b) if b else 0
+        for n in counts:
             positions.append(Positions(ledger_ids, entry_ids, offset, n) if n else NO_POSITIONS)
             offset += n
         return positions, closed
