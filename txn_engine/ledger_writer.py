@@ -148,16 +148,29 @@ class WriteRequest:
     offsets: list[dict[str, Any]] = field(default_factory=list)  # consumer_offsets rows
     after: list[dict[str, Any]] = field(default_factory=list)  # txn_log rows, durable after entries
     on_durable: Callable[[Positions], None] | None = None  # runs in the committer, before the future
-    depends_on: list[Future] = field(default_factory=list)  # written in a round after these are durable
+    depends_on: list["WriteRequest"] = field(default_factory=list)  # written in a round after these are settled
     future: Future = field(default_factory=Future)
+    # Set by the committer when `future` gets its result or exception: read without the future's
+    # lock by `ready`, which runs for every queued request each round under the queue's lock.
+    settled: bool = False
 
     def ready(self) -> bool:
-        # Checked for every queued request each round: a plain loop, and once ready, never again.
-        for future in self.depends_on:
-            if not future.done():
+        for request in self.depends_on:
+            if not request.settled:
                 return False
-        self.depends_on = []
+        self.depends_on = []  # once ready, never checked again
         return True
+
+    def resolve(self, positions: "Positions") -> None:
+        if self.on_durable is not None:
+            self.on_durable(positions)
+        self.settled = True
+        self.future.set_result(positions)
+
+    def fail(self, error: BaseException) -> None:
+        self.settled = True
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 @dataclass
@@ -272,8 +285,7 @@ class LedgerWriter:
             "and retry with the same sequence numbers: duplicates are acknowledged, not rewritten."
         )
         for request in failed:
-            if not request.future.done():
-                request.future.set_exception(error)
+            request.fail(error)
 
     def _write_round(self, batch: list[WriteRequest]) -> None:
         carried, self._carried = self._carried, []
@@ -290,9 +302,9 @@ class LedgerWriter:
             if any(request.before for request in batch):
                 self.crash_hook(AFTER_PREPARE)
             for request, assigned in carried:
-                self._resolve(request, assigned)
+                request.resolve(assigned)
             for request in early:
-                self._resolve(request, NO_POSITIONS)
+                request.resolve(NO_POSITIONS)
             positions, closed = self._write_entries(later)
             if later:
                 self.crash_hook(BEFORE_COMPLETE)
@@ -301,15 +313,14 @@ class LedgerWriter:
             with self._cond:
                 self._stopped = exc  # before anyone hears of the failure: no write is accepted after it
             for request in [request for request, _ in carried] + batch:
-                if not request.future.done():
-                    request.future.set_exception(exc)
+                request.fail(exc)
             raise
         self.rounds += 1
         for request, assigned in zip(later, positions):
             if request.after:
                 self._carried.append((request, assigned))  # COMPLETE: first thing of the next round
             else:
-                self._resolve(request, assigned)
+                request.resolve(assigned)
         if closed:
             # Through delta-rs like the rest of the engine's writes (no Spark needed, milliseconds),
             # into the ledger_states log that txn_engine.ledgers.record_ledger_states also appends to.
@@ -320,12 +331,6 @@ class LedgerWriter:
                 self.tables.append(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, rows)
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not record closed ledgers %s: %s", closed, exc)
-
-    @staticmethod
-    def _resolve(request: WriteRequest, assigned: Positions) -> None:
-        if request.on_durable is not None:
-            request.on_durable(assigned)
-        request.future.set_result(assigned)
 
     def _write_entries(self, requests: list[WriteRequest]) -> tuple[list[Positions], list]:
         """Give every entry of `requests` its position and append them, in queue order."""

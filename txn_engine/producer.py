@@ -283,7 +283,7 @@ class TransactionalProducer(SequencedSends):
         self.producer_id: int | None = None
         self.epoch: int | None = None
         self.txn: TxnId | None = None
-        self._sends: list[Future] = []  # queued batches of the open transaction
+        self._sends: list[WriteRequest] = []  # queued batches of the open transaction
         self._batch = SendAccumulator()
         self._topic_sequences = {}
         self._lock = threading.RLock()  # its producer id's lock once initialized (see `producer_lock`)
@@ -356,7 +356,7 @@ class TransactionalProducer(SequencedSends):
             except BaseException as exc:
                 request.future.set_exception(exc)
                 raise
-            self._sends.append(request.future)
+            self._sends.append(request)
 
     def send_offsets(self, group: str, offsets: Mapping[str, Position | tuple[int, int]]) -> None:
         """Consumer-group offsets that land in consumer_offsets if and only if this transaction commits."""
@@ -375,7 +375,7 @@ class TransactionalProducer(SequencedSends):
             coordinator.add_offsets(txn, rows)
 
     def _wait_sends(self) -> BaseException | None:
-        errors = [f.exception() for f in self._sends]
+        errors = [request.future.exception() for request in self._sends]
         return next((e for e in errors if e is not None), None)
 
     def commit(self) -> TxnId:
@@ -414,7 +414,7 @@ class TransactionalProducer(SequencedSends):
             self.flush()
             if txn in coordinator.txns:
                 future = coordinator.end_txn(
-                    txn, EntryType.COMMIT, "producer", depends_on=[f for f in self._sends if not f.done()]
+                    txn, EntryType.COMMIT, "producer", depends_on=[r for r in self._sends if not r.settled]
                 )
             else:
                 future = Future()
