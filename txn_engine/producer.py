@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import pyarrow.compute as pc
 
-from txn_engine.coordinator import ProducerIdentity, TxnStatus
+from txn_engine.coordinator import ProducerIdentity
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import PendingEntries, WriteRequest
 from txn_engine.positions import Position
@@ -254,8 +254,7 @@ class IdempotentProducer(SequencedSends):
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry; `sequence` (default: the next one) makes a retry safe."""
         payload = _payload(value)
-        if key is not None:
-            _check_key(key)
+        _check_key(key)
         with self._lock:
             self.engine.writer.check_running()
             return self._send(self.producer_id, self.epoch, topic, payload, key, sequence, None)
@@ -326,14 +325,13 @@ class TransactionalProducer(SequencedSends):
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry in the open transaction; `result()` of the answer is its position."""
         payload = _payload(value)
-        if key is not None:
-            _check_key(key)
+        _check_key(key)
         coordinator = self.engine.coordinator
         with self._lock:  # not the coordinator's: `flush` checks again under it, in queue order
             identity = self._identity()
             txn = self._open_txn()
             t = coordinator.txns.get(txn)
-            if t is not None and t.state is not TxnStatus.ONGOING:
+            if t is not None:
                 coordinator.require_ongoing(t)
             return self._send(identity.producer_id, identity.epoch, topic, payload, key, sequence, txn)
 
@@ -354,7 +352,7 @@ class TransactionalProducer(SequencedSends):
                 request.before = coordinator.add_topics(identity, txn, topics)  # durable before the data
                 self.engine.writer.submit(request)
             except BaseException as exc:
-                request.future.set_exception(exc)
+                request.fail(exc)
                 raise
             self._sends.append(request)
 
@@ -430,7 +428,7 @@ class TransactionalProducer(SequencedSends):
             txn = self._open_txn()
             dropped = self._batch.take()
             if dropped is not None:  # never queued: nothing of it is written
-                dropped.future.set_exception(
+                dropped.fail(
                     TransactionAbortedError(f"transaction {txn} was aborted before this send was written")
                 )
         self._wait_sends()
