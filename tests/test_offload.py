@@ -18,6 +18,7 @@ from txn_engine.offload import (
     FROM_BUFFER_STATE,
     FROM_LEDGER_ENTRIES,
     _buffer_facts,
+    checksum_of,
     content_checksum,
     offload_ledgers,
 )
@@ -88,6 +89,17 @@ def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
     assert got[("t", 2)] == "CLOSED" and got[("t", 4)] == "OPEN" and got[("v", 8)] == "OPEN"
     # The hot log is untouched by an offload.
     assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
+
+
+def test_checksum_is_the_exact_sum_of_the_row_hashes(spark):
+    # Summed as two 32-bit halves: the extremes of a signed 64-bit hash, carries across the
+    # halves, and a group of only nulls (no kept row: "0").
+    hashes = {"extremes": [-(2**63), 2**63 - 1, -1, 0, 1, 2**32 - 1, -(2**32)],
+              "carries": [2**32 - 1] * 5 + [-(2**31) * 2**32] * 3,
+              "none": [None, None]}
+    frame = spark.createDataFrame([(g, h) for g, values in hashes.items() for h in values], "g string, h long")
+    got = {r.g: r.checksum for r in frame.groupBy("g").agg(checksum_of(F.col("h")).alias("checksum")).collect()}
+    assert got == {g: str(sum(h for h in values if h is not None)) for g, values in hashes.items()}
 
 
 def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(history, tmp_path):

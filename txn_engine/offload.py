@@ -145,8 +145,16 @@ def row_hash() -> Column:
 
 
 def checksum_of(hashes: Column) -> Column:
-    """The order-independent checksum of the rows whose `row_hash()` values these are (nulls skipped)."""
-    return F.coalesce(F.sum(hashes.cast("decimal(38,0)")), F.lit(0)).cast("decimal(38,0)").cast("string")
+    """The order-independent checksum of the rows whose `row_hash()` values these are (nulls skipped):
+    their exact sum, as a decimal string.
+
+    Summed as two longs, the signed high and the unsigned low 32 bits of each hash (exact up to
+    2^31 rows a group), then combined once per group: the same value as summing the hashes as
+    decimal(38,0), whose per-row BigDecimal arithmetic cost 1-2 s of the manifest pass at 10M rows.
+    """
+    high = F.coalesce(F.sum(F.shiftright(hashes, 32)), F.lit(0)).cast("decimal(38,0)")
+    low = F.coalesce(F.sum(hashes.bitwiseAND(F.lit(0xFFFFFFFF))), F.lit(0)).cast("decimal(38,0)")
+    return (high * F.lit(1 << 32).cast("decimal(38,0)") + low).cast("decimal(38,0)").cast("string")
 
 
 def content_checksum() -> Column:
