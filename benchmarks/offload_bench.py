@@ -53,6 +53,7 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     with timed("offload: filtered copy + manifest + states") as t_offload:
         result = offload_ledgers(wh)
     jvm_peak = jvm_peak_rss_mib(spark)
+    print(f"  offload steps: {result.time_spent()}")
     if sorted(result.offloaded) != sorted(eligible):
         print(f"  !! offloaded {len(result.offloaded)} ledgers, expected {len(eligible)}")
     savings = result.savings()
@@ -63,6 +64,7 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
         "plain_copy_s": t_copy.seconds,
         "offload_s": t_offload.seconds,
         "offload_vs_copy": t_offload.seconds / t_copy.seconds,
+        "offload_steps_s": {step: round(s, 2) for step, s in result.step_seconds.items()},
         "entries_before": savings["entries_before"],
         "entries_kept": savings["entries_kept"],
         "entries_dropped": savings["entries_dropped"],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
@@ -16,6 +18,7 @@ from txn_engine.offload import (
     AFTER_ENTRIES,
     AFTER_MANIFEST,
     FROM_BUFFER_STATE,
+    OFFLOAD_STEPS,
     FROM_LEDGER_ENTRIES,
     _buffer_facts,
     checksum_of,
@@ -64,7 +67,13 @@ EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
 
 def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
     warehouse = history
+    started = time.perf_counter()
     result = offload_ledgers(warehouse)
+    wall = time.perf_counter() - started
+    # Where the time went: every step, in order, and together no more than the call took.
+    assert list(result.step_seconds) == list(OFFLOAD_STEPS)
+    assert all(s > 0 for s in result.step_seconds.values()) and sum(result.step_seconds.values()) <= wall
+    assert result.time_spent().startswith(f"{sum(result.step_seconds.values()):.1f} s (catalog ")
     # Ledger 5 ends exactly at its topic's stable position (5:1); ledgers 2 and 3 wait for D.
     assert sorted(result.offloaded) == [("t", 1), ("u", 5)]
     assert set(result.waiting) == {("t", 2), ("t", 3), ("t", 4), ("u", 6), ("u", 7), ("v", 8)}
@@ -184,6 +193,7 @@ def test_offload_twice_leaves_the_same_rows(history, tmp_path):
     manifest = manifest_rows(warehouse)
     again = offload_ledgers(warehouse, ledger_ids=[1, 5])
     assert again.offloaded == [] and sorted(again.already_offloaded) == [("t", 1), ("u", 5)]
+    assert list(again.step_seconds) == ["catalog", "facts", "plan"]  # nothing to copy: no write
     assert tier_positions(warehouse) == EXPECTED_TIER
     assert manifest_rows(warehouse) == manifest
     assert len(first.manifest) == 2

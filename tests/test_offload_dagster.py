@@ -59,6 +59,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     meta = metadata(run, OFFLOADED_ENTRIES)
     assert meta["ledgers_requested"] == 4 and meta["ledgers_offloaded"] == ["t/1", "t/2", "t/3"]
     assert meta["ledgers_waiting"] == {"t/4": "ledger is OPEN"}
+    assert list(meta["step_seconds"]) == ["catalog", "facts", "plan", "write", "manifest", "states"]
     # Savings: t/1 drops 2 markers + 1 aborted, t/2 a marker + a duplicate; 8 of 12 bytes... kept as counted.
     assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)

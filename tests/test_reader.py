@@ -83,6 +83,7 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     assert main(["offload"]) == 0
     out = capsys.readouterr().out
     assert "offloaded t/1" in out and "waiting   t/2: last entry is beyond the stable position" in out
+    assert "\ntook " in out and "(catalog " in out and "manifest " in out
     assert main(["read", "t", "--from", "1:2", "--max", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("2:0\thot\ttxn=1:3") and out[1].startswith("2:1\thot") and "continue with --from 2:2" in out[2]

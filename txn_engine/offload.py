@@ -41,6 +41,7 @@ re-runs and backfills leave the same rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
@@ -84,6 +85,11 @@ FROM_BUFFER_STATE, FROM_LEDGER_ENTRIES = "buffer_state", "ledger_entries"
 # Why an entry stays behind (or KEPT). The manifest has one count column per reason.
 KEPT, MARKER, ABORTED, DUPLICATE, OTHER = "KEPT", "MARKER", "ABORTED", "DUPLICATE", "OTHER"
 DROP_COLUMNS = {MARKER: "dropped_markers", ABORTED: "dropped_aborted", DUPLICATE: "dropped_duplicates", OTHER: "dropped_other"}
+
+# The steps of an offload run whose seconds OffloadResult.step_seconds reports, in order: the pinned
+# catalog; the buffer's facts and the stable positions; eligibility, look-ups and recovery; the
+# kept rows' write; the manifest (its counting pass and commit); the ledgers' states.
+OFFLOAD_STEPS = ("catalog", "facts", "plan", "write", "manifest", "states")
 
 # Crash-injection points of `offload_ledgers`, in order (tests pass a hook that raises).
 AFTER_ENTRIES, AFTER_MANIFEST = "after_entries", "after_manifest"
@@ -198,6 +204,13 @@ class OffloadResult:
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
+    # Where the run's time went, in seconds per step (OFFLOAD_STEPS, those the run reached).
+    step_seconds: dict[str, float] = field(default_factory=dict)
+
+    def time_spent(self) -> str:
+        """The step seconds on one line, e.g. "catalog 2.3 s, facts 1.9 s, ...", total first."""
+        steps = ", ".join(f"{step} {seconds:.1f} s" for step, seconds in self.step_seconds.items())
+        return f"{sum(self.step_seconds.values()):.1f} s ({steps})"
 
     @property
     def offloaded(self) -> list[LedgerKey]:
@@ -223,6 +236,7 @@ def offload_ledgers(
     make it raise to simulate a crash there.
     """
     wh = warehouse
+    lap = _StepClock()
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
     entries = _log_as_of_now(wh)
     # The catalog of the same snapshot of the log; only the columns eligibility and the state
@@ -234,12 +248,14 @@ def offload_ledgers(
     catalog_now = wh.spark.createDataFrame(
         catalog_rows, "topic string, ledger_id long, state string, entry_count long, last_entry_id long"
     )
+    lap("catalog")
     facts, facts_from = _buffer_facts(wh, entries, catalog_now)
     stable = stable_from_facts(facts).cache()
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
+        lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=facts_from)
+        result = OffloadResult(facts_from=facts_from, step_seconds=lap.seconds)
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
         in_tier = {
@@ -270,8 +286,9 @@ def offload_ledgers(
             delete_ledgers(wh, OFFLOADED_ENTRIES, result.rolled_back_orphans)
         if result.states_recorded:
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
+        lap("plan")
         if targets:
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook)
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, lap)
         return result
     finally:
         for frame in [*facts.cached_frames(), stable]:
@@ -317,6 +334,7 @@ def _copy_ledgers(
     targets: list[LedgerKey],
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
+    lap: Callable[[str], None],
 ) -> list[dict]:
     predicate = ledger_predicate(targets)
     decided = facts.txns.where(F.col("outcome").isNotNull())
@@ -326,6 +344,7 @@ def _copy_ledgers(
     kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
     wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    lap("write")
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
     # The same rows again (same log version, same classification): what was written, counted.
@@ -347,11 +366,26 @@ def _copy_ledgers(
     # Step 2: the manifest rows: from now on readers read these ledgers from the tier. A row per
     # ledger, committed by delta-rs (Spark's replaceWhere would run 8 Spark jobs for them).
     DeltaTables(wh).overwrite(OFFLOAD_MANIFEST, rows, OFFLOAD_MANIFEST_SCHEMA, predicate=ledger_predicate(targets, delta_rs=True))
+    lap("manifest")
     if crash_hook:
         crash_hook(AFTER_MANIFEST)
     # Step 3: the catalog state.
     record_ledger_states(wh, [(t, l, "OFFLOADED", "offloaded to the filtered tier") for t, l in targets])
+    lap("states")
     return rows
+
+
+class _StepClock:
+    """Called with a step's name when it ends: records the seconds since the previous call (or creation)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def __call__(self, step: str) -> None:
+        now = time.perf_counter()
+        self.seconds[step] = now - self._last
+        self._last = now
 
 
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
