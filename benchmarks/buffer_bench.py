@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
+from txn_engine.step_clock import StepClock
 
 
 def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
@@ -37,21 +38,12 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
     ])
 
 
-class WriteClock:
+class WriteClock(StepClock):
     """`after_write` hook of `refresh_buffer`: prints the seconds each table's write took (where the time goes)."""
 
-    def __init__(self) -> None:
-        import time
-
-        self._now = time.perf_counter
-        self.last = self._now()
-        self.steps: dict[str, float] = {}
-
     def __call__(self, table: str) -> None:
-        now = self._now()
-        self.steps[table] = now - self.last
-        print(f"    {table:<46} {self.steps[table]:8.2f} s", flush=True)
-        self.last = now
+        super().__call__(table)
+        print(f"    {table:<46} {self.seconds[table]:8.2f} s", flush=True)
 
 
 def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) -> dict:
@@ -146,9 +138,9 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "incremental_spark_writes_s": t_inc_spark.seconds,
         "incremental_driver_vs_spark_writes": t_inc.seconds / t_inc_spark.seconds,
         "incremental_ledgers": len(step.ledgers),
-        "full_steps_s": {k: round(v, 2) for k, v in full_steps.steps.items()},
-        "incremental_steps_s": {k: round(v, 2) for k, v in inc_steps.steps.items()},
-        "incremental_spark_writes_steps_s": {k: round(v, 2) for k, v in inc_spark_steps.steps.items()},
+        "full_steps_s": {k: round(v, 2) for k, v in full_steps.seconds.items()},
+        "incremental_steps_s": {k: round(v, 2) for k, v in inc_steps.seconds.items()},
+        "incremental_spark_writes_steps_s": {k: round(v, 2) for k, v in inc_spark_steps.seconds.items()},
         "jvm_peak_rss_mib": jvm_peak,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,

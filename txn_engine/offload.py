@@ -41,7 +41,6 @@ re-runs and backfills leave the same rows.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
@@ -77,6 +76,7 @@ from txn_engine.schema import (
     POSITION_COLUMNS,
     STABLE_POSITIONS,
 )
+from txn_engine.step_clock import StepClock
 from txn_engine.warehouse import Warehouse
 
 # Where an offload run took the buffer's facts from (OffloadResult.facts_from).
@@ -236,7 +236,7 @@ def offload_ledgers(
     make it raise to simulate a crash there.
     """
     wh = warehouse
-    lap = _StepClock()
+    lap = StepClock()
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
     entries = _log_as_of_now(wh)
     # The catalog of the same snapshot of the log; only the columns eligibility and the state
@@ -255,7 +255,7 @@ def offload_ledgers(
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=facts_from, step_seconds=lap.seconds)
+        result = OffloadResult(facts_from=facts_from, step_seconds=lap.seconds)  # later laps land there too
         manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
         in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
         in_tier = {
@@ -373,19 +373,6 @@ def _copy_ledgers(
     record_ledger_states(wh, [(t, l, "OFFLOADED", "offloaded to the filtered tier") for t, l in targets])
     lap("states")
     return rows
-
-
-class _StepClock:
-    """Called with a step's name when it ends: records the seconds since the previous call (or creation)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def __call__(self, step: str) -> None:
-        now = time.perf_counter()
-        self.seconds[step] = now - self._last
-        self._last = now
 
 
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
