@@ -87,6 +87,8 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
         "ledgers_requested": len(ledger_ids),
         "facts_from": result.facts_from,
         "step_seconds": MetadataValue.json({step: round(s, 2) for step, s in result.step_seconds.items()}),
+        # Whether the orphan check had to read the tier's ledgers (see txn_engine.offload).
+        "tier_scanned": result.tier_scanned,
         "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),
         "ledgers_waiting": MetadataValue.json(waiting),

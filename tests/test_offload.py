@@ -20,12 +20,13 @@ from txn_engine.offload import (
     FROM_BUFFER_STATE,
     FROM_LEDGER_ENTRIES,
     OFFLOAD_STEPS,
+    TIER_CLEAN_AT,
     _buffer_facts,
     checksum_of,
     content_checksum,
     offload_ledgers,
 )
-from txn_engine.delta_io import delete_ledgers, ledger_predicate
+from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.schema import BUFFER_LEDGER_TXNS, LEDGER_ENTRIES, LEDGER_STATES_LOG, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
 
@@ -247,3 +248,33 @@ def test_delete_ledgers_removes_exactly_its_pairs_whatever_the_topic_holds(wareh
     left = [tuple(r) for r in warehouse.read("pairs").collect()]
     assert sorted(left) == sorted(set(rows) - set(wanted))
     delete_ledgers(warehouse, "no_such_table", wanted, through_driver=through_driver)  # nothing there: a no-op
+
+
+def test_the_orphan_check_reads_the_tier_only_when_it_changed_since_the_last_manifest_commit(history, tmp_path):
+    warehouse = history
+    assert offload_ledgers(warehouse, ledger_ids=[1]).tier_scanned is False  # no tier yet
+    tier_version = warehouse.version(OFFLOADED_ENTRIES)
+    assert DeltaTables(warehouse).last_commit(OFFLOAD_MANIFEST)[TIER_CLEAN_AT] == str(tier_version)
+    again = offload_ledgers(warehouse, ledger_ids=[5])
+    assert again.tier_scanned is False and again.offloaded == [("u", 5)]
+    assert offload_ledgers(warehouse).tier_scanned is False  # nothing to do: the tier is unchanged
+    # Another writer's tier commit: rows of a ledger with no manifest row (not eligible yet).
+    stray = warehouse.read(LEDGER_ENTRIES).where("topic = 'u' AND ledger_id = 7")
+    stray.write.format("delta").mode("append").save(warehouse.path(OFFLOADED_ENTRIES))
+    found = offload_ledgers(warehouse)
+    assert found.tier_scanned is True and found.rolled_back_orphans == [("u", 7)]
+    assert tier_positions(warehouse) == EXPECTED_TIER
+    # The rollback is a tier commit no manifest commit covers: the tier is read until the next one.
+    assert offload_ledgers(warehouse).tier_scanned is True
+
+
+def test_after_a_crash_between_entries_and_manifest_the_tier_is_read_and_then_clean_again(history, tmp_path):
+    warehouse = history
+    offload_ledgers(warehouse, ledger_ids=[1])
+    with pytest.raises(Crash):
+        offload_ledgers(warehouse, ledger_ids=[5], crash_hook=crash_at(AFTER_ENTRIES))
+    # The manifest's last commit still says clean at the version before the crashed write.
+    recovered = offload_ledgers(warehouse, ledger_ids=[])
+    assert recovered.tier_scanned is True and recovered.finished_orphans == [("u", 5)]
+    assert set(manifest_rows(warehouse)) == {("t", 1), ("u", 5)} and tier_positions(warehouse) == EXPECTED_TIER
+    assert offload_ledgers(warehouse).tier_scanned is False

@@ -60,6 +60,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert meta["ledgers_requested"] == 4 and meta["ledgers_offloaded"] == ["t/1", "t/2", "t/3"]
     assert meta["ledgers_waiting"] == {"t/4": "ledger is OPEN"}
     assert list(meta["step_seconds"]) == ["catalog", "facts", "plan", "write", "manifest", "states"]
+    assert meta["tier_scanned"] is False  # the first run: no tier yet
     # Savings: t/1 drops 2 markers + 1 aborted, t/2 a marker + a duplicate; 8 of 12 bytes... kept as counted.
     assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
@@ -70,6 +71,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
 
     single = offload_run(dagster_resources, instance, partition_key=key(5))
     assert metadata(single, OFFLOAD_MANIFEST)["ledgers_offloaded"] == ["u/5"]
+    assert metadata(single, OFFLOADED_ENTRIES)["tier_scanned"] is False  # unchanged since the last manifest commit
     before = tier(warehouse)
     again = offload_run(dagster_resources, instance, tags=tags)  # the backfill once more: same rows
     assert metadata(again, OFFLOADED_ENTRIES)["ledgers_already_offloaded"] == 3 and tier(warehouse) == before

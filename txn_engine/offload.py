@@ -33,7 +33,11 @@ Per ledger the write is three steps, and the manifest row is the commit point:
 3. `ledger_states` records OFFLOADED.
 A crash after 1 leaves tier rows without a manifest row ("orphans"): every offload run first
 finishes them when the ledger is still eligible (steps 1-3 again: same rows) and otherwise
-rolls them back (deletes them). A crash after 2 leaves a manifest row whose ledger is not yet
+rolls them back (deletes them). Finding them needs the ledgers of the whole tier, a scan that
+grows with it; so the manifest commit of step 2 records the tier version up to which every tier
+row has its manifest row (`TIER_CLEAN_AT`), and a run that finds the tier still at that version
+knows there are no orphans without reading it. Any other tier commit (a crash after 1, a
+rollback, another writer) changes the version, and the next run scans. A crash after 2 leaves a manifest row whose ledger is not yet
 recorded OFFLOADED: the next run records it. Readers trust the manifest only, so they never
 see a half-written ledger. A ledger that already has its manifest row is not copied again, so
 re-runs and backfills leave the same rows.
@@ -72,7 +76,6 @@ from txn_engine.schema import (
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
     OFFLOADED_ENTRIES,
-    OFFLOADED_ENTRIES_SCHEMA,
     POSITION_COLUMNS,
     STABLE_POSITIONS,
 )
@@ -90,6 +93,10 @@ DROP_COLUMNS = {MARKER: "dropped_markers", ABORTED: "dropped_aborted", DUPLICATE
 # catalog; the buffer's facts and the stable positions; eligibility, look-ups and recovery; the
 # kept rows' write; the manifest (its counting pass and commit); the ledgers' states.
 OFFLOAD_STEPS = ("catalog", "facts", "plan", "write", "manifest", "states")
+
+# Commit metadata of a manifest commit: the `offloaded_entries` version at which every tier row's
+# ledger has a manifest row (no orphans), when the run that committed it could tell.
+TIER_CLEAN_AT = "txnlake.offload.tier_clean_at_version"
 
 # Crash-injection points of `offload_ledgers`, in order (tests pass a hook that raises).
 AFTER_ENTRIES, AFTER_MANIFEST = "after_entries", "after_manifest"
@@ -204,6 +211,9 @@ class OffloadResult:
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
+    # Whether the orphan check read the tier's ledgers (False: no tier yet, or the tier is still at
+    # the version the last manifest commit recorded as clean).
+    tier_scanned: bool = False
     # Where the run's time went, in seconds per step (OFFLOAD_STEPS, those the run reached).
     step_seconds: dict[str, float] = field(default_factory=dict)
 
@@ -256,13 +266,12 @@ def offload_ledgers(
         lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
         result = OffloadResult(facts_from=facts_from, step_seconds=lap.seconds)  # later laps land there too
-        manifest = wh.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
-        in_manifest = {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
-        in_tier = {
-            (r["topic"], r["ledger_id"])
-            for r in wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA).select("topic", "ledger_id").distinct().collect()
-        }
-        orphans = in_tier - in_manifest
+        manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
+        in_manifest = _ledgers_of(wh, OFFLOAD_MANIFEST, manifest_commit and manifest_commit["version"])
+        tier_version = wh.version(OFFLOADED_ENTRIES)
+        clean_at = (manifest_commit or {}).get(TIER_CLEAN_AT)
+        result.tier_scanned = tier_version is not None and str(tier_version) != clean_at
+        orphans = (_ledgers_of(wh, OFFLOADED_ENTRIES, tier_version) if result.tier_scanned else set()) - in_manifest
         eligible = {(r["topic"], r["ledger_id"]) for r in catalog if r["eligible"]}
 
         targets: set[LedgerKey] = set()
@@ -288,7 +297,10 @@ def offload_ledgers(
             record_ledger_states(wh, [(t, l, "OFFLOADED", "offload finished after a crash") for t, l in result.states_recorded])
         lap("plan")
         if targets:
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, lap)
+            # The tier version with no orphans once this run's manifest commit lands, if this run's
+            # write is the only tier commit after the one checked (-1: there was no tier).
+            clean_before = None if result.rolled_back_orphans else (-1 if tier_version is None else tier_version)
+            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, lap, clean_before)
         return result
     finally:
         for frame in [*facts.cached_frames(), stable]:
@@ -315,6 +327,14 @@ def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tupl
     return classify_entries(entries, persist=True), FROM_LEDGER_ENTRIES
 
 
+def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
+    """The (topic, ledger_id) pairs `table` holds at `version` (none when the table does not exist)."""
+    if version is None:
+        return set()
+    pinned = wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(table))
+    return {(r["topic"], r["ledger_id"]) for r in pinned.select("topic", "ledger_id").distinct().collect()}
+
+
 def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
     """`table` pinned to its current version (a later commit does not change what this run reads)."""
     version = wh.version(table)
@@ -335,6 +355,7 @@ def _copy_ledgers(
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
     lap: Callable[[str], None],
+    clean_before: int | None,
 ) -> list[dict]:
     predicate = ledger_predicate(targets)
     decided = facts.txns.where(F.col("outcome").isNotNull())
@@ -344,6 +365,9 @@ def _copy_ledgers(
     kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
     wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    written_at = wh.version(OFFLOADED_ENTRIES)
+    # Clean at the version this write made once its manifest rows land, unless another commit came between.
+    clean = {TIER_CLEAN_AT: str(written_at)} if clean_before is not None and written_at == clean_before + 1 else None
     lap("write")
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
@@ -365,7 +389,8 @@ def _copy_ledgers(
         })
     # Step 2: the manifest rows: from now on readers read these ledgers from the tier. A row per
     # ledger, committed by delta-rs (Spark's replaceWhere would run 8 Spark jobs for them).
-    DeltaTables(wh).overwrite(OFFLOAD_MANIFEST, rows, OFFLOAD_MANIFEST_SCHEMA, predicate=ledger_predicate(targets, delta_rs=True))
+    DeltaTables(wh).overwrite(OFFLOAD_MANIFEST, rows, OFFLOAD_MANIFEST_SCHEMA, predicate=ledger_predicate(targets, delta_rs=True),
+                              commit_metadata=clean)
     lap("manifest")
     if crash_hook:
         crash_hook(AFTER_MANIFEST)
