@@ -66,3 +66,29 @@ def test_recording_an_unknown_state_is_refused_and_writes_nothing(warehouse):
     with pytest.raises(ValueError, match="unknown state 'GONE'; use one of OPEN, CLOSED, OFFLOADED, DELETED"):
         record_ledger_states(warehouse, [("a", 1, "CLOSED", None), ("a", 2, "GONE", None)])
     assert not warehouse.exists(LEDGER_STATES_LOG)
+
+
+def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark):
+    from txn_engine.ledgers import ledger_ranges, ledger_ranges_catalog, record_ledger_states
+    from txn_engine.schema import LEDGER_ENTRIES
+
+    first = [entry("a", 1, i) for i in range(3)] + [entry("b", 4, 0)]
+    # Ledger a/1 goes on in the second commit: its range spans files (and Arrow batches).
+    second = [entry("a", 1, i) for i in range(3, 6)] + [entry("a", 2, 0, "COMMIT", txn=(0, 1)), entry("b", 4, 1)]
+    entries_df(spark, first).write.format("delta").save(warehouse.path(LEDGER_ENTRIES))
+    entries_df(spark, second).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+    record_ledger_states(warehouse, [("a", 1, "OFFLOADED", None)])
+
+    def spark_ranges(rows):
+        return {(r.topic, r.ledger_id): (r.first_entry_id, r.last_entry_id, r.entry_count)
+                for r in derive_ledger_catalog(entries_df(spark, rows)).collect()}
+
+    for version, rows in ((0, first), (1, first + second), (None, first + second)):
+        ranges = ledger_ranges(warehouse, version).to_pylist()
+        assert {(r["topic"], r["ledger_id"]): (r["first_entry_id"], r["last_entry_id"], r["entry_count"])
+                for r in ranges} == spark_ranges(rows)
+    assert spark_ranges(first + second)[("a", 1)] == (0, 5, 6)
+    catalog = {(r.topic, r.ledger_id): r.state for r in ledger_ranges_catalog(warehouse).collect()}
+    assert catalog == {("a", 1): "OFFLOADED", ("a", 2): "OPEN", ("b", 4): "OPEN"}
+    assert {(r.topic, r.ledger_id): r.state for r in ledger_ranges_catalog(warehouse, 0).collect()} == {
+        ("a", 1): "OFFLOADED", ("b", 4): "OPEN"}

@@ -28,6 +28,7 @@ from typing import Any, Iterable, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.transaction import PostCommitHookProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
@@ -165,6 +166,15 @@ class DeltaTables:
             return None
         latest = handle.history(limit=1)
         return latest[0] if latest else None
+
+    def dataset(self, table: str, version: int | None = None) -> pyarrow.dataset.Dataset:
+        """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches."""
+        if version is None:
+            handle = self._handle(table)
+            if handle is None:
+                raise TableNotFoundError(f"no Delta table {table} at {self.warehouse.path(table)}")
+            return handle.to_pyarrow_dataset()
+        return DeltaTable(self.warehouse.path(table), version=version).to_pyarrow_dataset()
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
         """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""
