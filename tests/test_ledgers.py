@@ -92,3 +92,15 @@ def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark)
     assert catalog == {("a", 1): "OFFLOADED", ("a", 2): "OPEN", ("b", 4): "OPEN"}
     assert {(r.topic, r.ledger_id): r.state for r in ledger_ranges_catalog(warehouse, 0).collect()} == {
         ("a", 1): "OFFLOADED", ("b", 4): "OPEN"}
+
+
+def test_ledger_ranges_and_the_offload_without_a_log_say_what_to_do(warehouse):
+    import pytest
+
+    from txn_engine.errors import TableMissingError
+    from txn_engine.ledgers import ledger_ranges
+    from txn_engine.offload import offload_ledgers
+
+    for call in (lambda: ledger_ranges(warehouse), lambda: ledger_ranges(warehouse, 0), lambda: offload_ledgers(warehouse)):
+        with pytest.raises(TableMissingError, match="table ledger_entries does not exist yet .*`txnlake ingest FILE`"):
+            call()

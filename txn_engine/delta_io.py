@@ -168,13 +168,14 @@ class DeltaTables:
         return latest[0] if latest else None
 
     def dataset(self, table: str, version: int | None = None) -> pyarrow.dataset.Dataset:
-        """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches."""
-        if version is None:
-            handle = self._handle(table)
-            if handle is None:
-                raise TableNotFoundError(f"no Delta table {table} at {self.warehouse.path(table)}")
-            return handle.to_pyarrow_dataset()
-        return DeltaTable(self.warehouse.path(table), version=version).to_pyarrow_dataset()
+        """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches;
+        `Warehouse.missing`'s error when the table does not exist."""
+        handle = self._handle(table)
+        if handle is None:
+            raise self.warehouse.missing(table)
+        if version is not None and version != handle.version():
+            handle = DeltaTable(self.warehouse.path(table), version=version)  # the cached handle stays at the latest
+        return handle.to_pyarrow_dataset()
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
         """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""

@@ -248,9 +248,10 @@ def offload_ledgers(
     wh = warehouse
     lap = StepClock()
     wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
-    wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
     # One version of the log for the whole run: every job of it reads the same rows.
     log_version = wh.version(LEDGER_ENTRIES)
+    if log_version is None:
+        raise wh.missing(LEDGER_ENTRIES)
     entries = _pinned(wh, LEDGER_ENTRIES, log_version)
     # The catalog of the same version, with only what eligibility and the state check need: the
     # ledgers' ranges (`ledger_ranges`: delta-rs and Arrow, no Spark scan) and their states.

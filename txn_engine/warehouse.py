@@ -62,13 +62,17 @@ class Warehouse:
     def exists(self, table: str, path: str | None = None) -> bool:
         return DeltaTable.isDeltaTable(self.spark, path or self.path(table))
 
+    def missing(self, table: str, path: str | None = None) -> TableMissingError:
+        """The error for reading `table` before it exists: where it was looked for, and what makes it."""
+        return TableMissingError(
+            f"table {table} does not exist yet at {path or self.path(table)}. Ingest ledgers first "
+            f"(`txnlake ingest FILE`) or materialize the asset {table}."
+        )
+
     def read(self, table: str, path: str | None = None) -> DataFrame:
         location = path or self.path(table)
         if not self.exists(table, location):
-            raise TableMissingError(
-                f"table {table} does not exist yet at {location}. Ingest ledgers first "
-                f"(`txnlake ingest FILE`) or materialize the asset {table}."
-            )
+            raise self.missing(table, location)
         return self.spark.read.format("delta").load(location)
 
     def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
