@@ -86,6 +86,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
     extra = {
         "ledgers_requested": len(ledger_ids),
         "facts_from": result.facts_from,
+        "kept_from": result.kept_from,  # the buffer's committed_entries, or the log classified
         "step_seconds": MetadataValue.json({step: round(s, 2) for step, s in result.step_seconds.items()}),
         # Whether the orphan check had to read the tier's ledgers (see txn_engine.offload).
         "tier_scanned": result.tier_scanned,

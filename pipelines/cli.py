@@ -197,7 +197,8 @@ def cmd_offload(args: argparse.Namespace) -> int:
         print(f"  waiting   {key[0]}/{key[1]}: {reason}")
     for key in result.finished_orphans + result.rolled_back_orphans:
         print(f"  recovered {key[0]}/{key[1]} ({'finished' if key in result.finished_orphans else 'rolled back'})")
-    print(f"offloaded {len(result.offloaded)} ledger(s), deciding from {result.facts_from}: {result.savings()}")
+    print(f"offloaded {len(result.offloaded)} ledger(s), deciding from {result.facts_from}, "
+          f"copying from {result.kept_from}: {result.savings()}")
     print(f"took {result.time_spent()}")
     return 0
 

@@ -14,6 +14,10 @@ from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import classify_entries, stable_from_facts
+from deltalake import DeltaTable
+
+from txn_engine.buffer_incremental import COMMITTED_ENTRIES_AT
+from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (
     AFTER_ENTRIES,
     AFTER_MANIFEST,
@@ -21,13 +25,21 @@ from txn_engine.offload import (
     FROM_LEDGER_ENTRIES,
     OFFLOAD_STEPS,
     TIER_CLEAN_AT,
+    OffloadStateError,
     _buffer_facts,
     checksum_of,
     content_checksum,
     offload_ledgers,
 )
 from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
-from txn_engine.schema import BUFFER_LEDGER_TXNS, LEDGER_ENTRIES, LEDGER_STATES_LOG, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+from txn_engine.schema import (
+    BUFFER_LEDGER_TXNS,
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    LEDGER_STATES_LOG,
+    OFFLOAD_MANIFEST,
+    OFFLOADED_ENTRIES,
+)
 
 
 class Crash(Exception):
@@ -153,13 +165,31 @@ def rows_of(frame):
     return sorted(tuple(r) for r in frame.collect())
 
 
+# Topic `w`, the protocol violations the manifest counts apart (the transaction buffer issue's):
+# ledger 20: data of G, COMMIT G, late data of G (after its COMMIT, in the marker's ledger), a second
+# marker of G (the first wins), data of H, a retried send inside H, ABORT H; ledger 21: late data of G
+# again (its COMMIT is in an earlier ledger), a plain entry; ledger 22: plain (the OPEN last ledger).
+G_, H_ = (7, 1), (7, 2)
+VIOLATIONS = [
+    entry("w", 20, 0, txn=G_, producer=3, seq=0, payload=b"g-data"), entry("w", 20, 1, "COMMIT", txn=G_),
+    entry("w", 20, 2, txn=G_, producer=3, seq=1, payload=b"g-late"), entry("w", 20, 3, "ABORT", txn=G_),
+    entry("w", 20, 4, txn=H_, producer=4, seq=0, payload=b"h-data"),
+    entry("w", 20, 5, txn=H_, producer=4, seq=0, payload=b"h-data"), entry("w", 20, 6, "ABORT", txn=H_),
+    entry("w", 21, 0, txn=G_, producer=3, seq=2, payload=b"g-later"), entry("w", 21, 1, payload=b"w-21-1"),
+    entry("w", 22, 0, payload=b"w-22-0"),
+]
+
+
 def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp_path):
-    ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
+    ingest(warehouse, tmp_path, HISTORY + COMMIT_D + VIOLATIONS)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     entries = warehouse.read(LEDGER_ENTRIES)
     catalog = current_ledger_catalog(warehouse, entries)
-    from_state, source = _buffer_facts(warehouse, entries, catalog)
+    from_state, source, committed = _buffer_facts(warehouse, entries, catalog)
     assert source == FROM_BUFFER_STATE
+    # The buffer recorded the committed_entries version its run left: the kept rows come from there.
+    assert committed is not None
+    assert rows_of(committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
     from_log = classify_entries(entries)
     # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
     assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
@@ -169,15 +199,20 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
         frame.unpersist()
 
     by_state = offload_ledgers(warehouse)
-    assert by_state.facts_from == FROM_BUFFER_STATE
-    assert sorted(by_state.offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    assert (by_state.facts_from, by_state.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
+    assert sorted(by_state.offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5), ("w", 20), ("w", 21)]
     tier, manifest = rows_of(warehouse.read(OFFLOADED_ENTRIES)), manifest_rows(warehouse)
+    # Counted by reason from the state: the late data split in ledger 20, whole in 21.
+    w20, w21 = manifest[("w", 20)], manifest[("w", 21)]
+    assert [w20[c] for c in ("entries_kept", "dropped_markers", "dropped_aborted", "dropped_duplicates", "dropped_other")] == [1, 3, 1, 1, 1]
+    assert [w21[c] for c in ("entries_kept", "dropped_other")] == [1, 1]
 
     # The same offload deciding from the log (no buffer state): the same tier rows and manifest.
     for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST, LEDGER_STATES_LOG, BUFFER_LEDGER_TXNS):
         warehouse.delete(table, "true")
     by_log = offload_ledgers(warehouse)
-    assert by_log.facts_from == FROM_LEDGER_ENTRIES and sorted(by_log.offloaded) == sorted(by_state.offloaded)
+    assert (by_log.facts_from, by_log.kept_from) == (FROM_LEDGER_ENTRIES, FROM_LEDGER_ENTRIES)
+    assert sorted(by_log.offloaded) == sorted(by_state.offloaded)
     assert rows_of(warehouse.read(OFFLOADED_ENTRIES)) == tier
     drop_time = lambda rows: {k: {c: v for c, v in r.items() if c != "offloaded_at"} for k, r in rows.items()}  # noqa: E731
     assert drop_time(manifest_rows(warehouse)) == drop_time(manifest)
@@ -278,3 +313,50 @@ def test_after_a_crash_between_entries_and_manifest_the_tier_is_read_and_then_cl
     assert recovered.tier_scanned is True and recovered.finished_orphans == [("u", 5)]
     assert set(manifest_rows(warehouse)) == {("t", 1), ("u", 5)} and tier_positions(warehouse) == EXPECTED_TIER
     assert offload_ledgers(warehouse).tier_scanned is False
+
+
+def test_committed_entries_that_disagree_with_the_buffer_state_are_refused_and_nothing_is_recorded(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    # A buffer bug (or a hand edit) in the recorded committed_entries version: ledger 1's commit of A lost.
+    warehouse.delete(COMMITTED_ENTRIES, "ledger_id = 1 AND txn_most_bits IS NOT NULL")
+    state = warehouse.read(BUFFER_LEDGER_TXNS).localCheckpoint()
+    warehouse.overwrite(BUFFER_LEDGER_TXNS, state, commit_metadata={COMMITTED_ENTRIES_AT: str(warehouse.version(COMMITTED_ENTRIES))})
+    with pytest.raises(OffloadStateError, match=r"ledger 1 of topic 't': committed_entries holds 1 .* says 2-2 .*`txnlake run`"):
+        offload_ledgers(warehouse)
+    assert not warehouse.exists(OFFLOAD_MANIFEST)  # no manifest row: readers still read the hot tables
+    assert set(states(warehouse).values()) <= {"OPEN", "CLOSED"}
+    # What the message says to do: recompute the buffer, offload again. The tier's rows written
+    # before the error have no manifest row; this run finds and rewrites them.
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    result = offload_ledgers(warehouse)
+    assert result.kept_from == COMMITTED_ENTRIES and result.tier_scanned
+    assert sorted(result.finished_orphans) == sorted(result.offloaded) == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    assert manifest_rows(warehouse)[("t", 1)]["entries_kept"] == 2
+    assert ("t", 1, 1) in tier_positions(warehouse)
+
+
+def test_a_buffer_state_written_by_older_code_is_rebuilt_and_meanwhile_the_log_decides(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    # The state as a release before `duplicate_count` wrote it, and without the committed_entries version.
+    warehouse.overwrite(BUFFER_LEDGER_TXNS, warehouse.read(BUFFER_LEDGER_TXNS).drop("duplicate_count").localCheckpoint())
+    assert offload_ledgers(warehouse, ledger_ids=[1]).facts_from == FROM_LEDGER_ENTRIES
+    rebuilt = refresh_buffer(warehouse, ledger_inventory(warehouse))  # incremental asked: a full run instead
+    assert rebuilt.full and "duplicate_count" in warehouse.read(BUFFER_LEDGER_TXNS).columns
+    again = offload_ledgers(warehouse)
+    assert (again.facts_from, again.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
+    assert sorted(again.offloaded) == [("t", 2), ("t", 3), ("u", 5)]
+
+
+def test_the_state_read_after_table_maintenance_still_names_its_committed_entries(warehouse, tmp_path):
+    ingest(warehouse, tmp_path, HISTORY + COMMIT_D)
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    # Files the state no longer references, old enough for VACUUM to delete (as table maintenance does).
+    DeltaTable(warehouse.path(BUFFER_LEDGER_TXNS)).alter.set_table_properties({FILE_RETENTION_PROPERTY: "interval 0 seconds"})
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    recorded = DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS)[COMMITTED_ENTRIES_AT]
+    assert DeltaTables(warehouse).vacuum(BUFFER_LEDGER_TXNS)  # two commits, no row changed
+    assert DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS)["operation"] == "VACUUM END"
+    assert DeltaTables(warehouse).last_rows_commit(BUFFER_LEDGER_TXNS)[COMMITTED_ENTRIES_AT] == recorded
+    assert offload_ledgers(warehouse).kept_from == COMMITTED_ENTRIES

@@ -61,6 +61,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert meta["ledgers_waiting"] == {"t/4": "ledger is OPEN"}
     assert list(meta["step_seconds"]) == ["catalog", "facts", "plan", "write", "manifest", "states"]
     assert meta["tier_scanned"] is False  # the first run: no tier yet
+    assert (meta["facts_from"], meta["kept_from"]) == ("ledger_entries", "ledger_entries")  # no buffer state here
     # Savings: t/1 drops 2 markers + 1 aborted, t/2 a marker + a duplicate; 8 of 12 bytes... kept as counted.
     assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)

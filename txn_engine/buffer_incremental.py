@@ -103,6 +103,10 @@ from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
+# Commit metadata of a run's `buffer_ledger_txns` commit (its last): the `committed_entries` version
+# the run's own writes left. Read at that version, committed_entries holds exactly the read-committed
+# rows of the log this state describes (`DeltaTables.last_commit`).
+COMMITTED_ENTRIES_AT = "txnlake.buffer.committed_entries_version"
 # The column that attributes a row to the ledger whose recomputation rewrites it.
 LEDGER_COLUMN = {
     TXN_MARKERS: "ledger_id",
@@ -260,7 +264,17 @@ def inventory_of(catalog: DataFrame) -> DataFrame:
 
 
 def _has_state(wh: Warehouse) -> bool:
-    return all(wh.exists(t) for t in (*STATE_TABLES, TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS))
+    """Every table exists, and `buffer_ledger_txns` has every column this code writes (a state
+    written before a column was added is rebuilt by a full run, as a first run builds it)."""
+    return all(wh.exists(t) for t in (*STATE_TABLES, TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS)) and (
+        state_is_current(wh)
+    )
+
+
+def state_is_current(wh: Warehouse) -> bool:
+    """Whether `buffer_ledger_txns` exists with every column of its schema."""
+    columns = DeltaTables(wh).columns(BUFFER_LEDGER_TXNS)
+    return columns is not None and set(BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()) <= set(columns)
 
 
 class ScopePlan(NamedTuple):
@@ -410,13 +424,13 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     replaced = sorted(scope | deleted)
     in_scope = lambda column: F.col(column).isin(sorted(scope))  # noqa: E731
 
-    def write(table: str, frame: DataFrame, whole: bool = full) -> None:
+    def write(table: str, frame: DataFrame, whole: bool = full, commit_metadata: dict[str, str] | None = None) -> None:
         # Both predicates are plain SQL that Spark and delta-rs read alike.
         where = None if whole else ledger_ids_predicate(LEDGER_COLUMN[table], replaced)
         if driver:
-            overwrite_small(wh, table, frame, predicate=where)
+            overwrite_small(wh, table, frame, predicate=where, commit_metadata=commit_metadata)
         else:
-            wh.overwrite(table, frame, replace_where=where)
+            wh.overwrite(table, frame, replace_where=where, commit_metadata=commit_metadata)
         if after_write:
             after_write(table)
 
@@ -439,6 +453,7 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
         _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted), flip_by_driver)
         if after_write:
             after_write("in_stable_prefix")
+    committed_at = wh.version(COMMITTED_ENTRIES)
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
     # older rows agrees with, so a run stopped before this line moves them next time.
     write(STABLE_POSITIONS, stable, whole=True)
@@ -446,7 +461,8 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
     write(BUFFER_PENDING_ENTRIES, pending_entries(facts.entries, facts.duplicates, scope_ledger_txns))
     write(BUFFER_DUPLICATES, conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA))
     write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS), facts.duplicates))
-    write(BUFFER_LEDGER_TXNS, scope_ledger_txns)
+    # With the version of committed_entries this run left (the offload copies decided ledgers' rows from it).
+    write(BUFFER_LEDGER_TXNS, scope_ledger_txns, commit_metadata={COMMITTED_ENTRIES_AT: str(committed_at)})
     ledgers = sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full else sorted(scope)
     return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark")
 

@@ -177,7 +177,7 @@ def duplicate_positions(narrow: DataFrame) -> DataFrame:
 
 
 def by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """Per (topic, ledger_id, txn): entry count, last entry, marker count, first marker and first kept data entry.
+    """Per (topic, ledger_id, txn): entry count, last entry, marker count, first marker, first kept data entry and duplicate count.
 
     Non-transactional entries fall in the (topic, ledger_id, null, null) group: they only count
     for the ledger's size and last entry. Only the `duplicates` make a row depend on other
@@ -194,6 +194,7 @@ def by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
         # A boolean, not the entry_type string: keeps the aggregate a hash aggregate.
         F.min_by(F.col("entry_type") == EntryType.COMMIT.value, marker_entry).alias("marker_is_commit"),
         F.min(kept_data_entry).alias("data_entry_id"),
+        F.count("_dup").alias("duplicate_count"),
     )
 
 

@@ -21,6 +21,7 @@ Reads use other handles, refreshed on every read, so they see every writer's com
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import defaultdict
@@ -81,10 +82,11 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 
 
-def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None) -> int:
+def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,
+                    commit_metadata: dict[str, str] | None = None) -> int:
     """Write a result small enough for the driver (a row per ledger or topic, a small run's tables)
     as `DeltaTables.overwrite` does: collected as Arrow in one Spark job, committed by delta-rs."""
-    return DeltaTables(warehouse).overwrite(table, frame.toArrow(), frame.schema, predicate)
+    return DeltaTables(warehouse).overwrite(table, frame.toArrow(), frame.schema, predicate, commit_metadata)
 
 
 def ledger_predicate(ledgers: Iterable[tuple[str, int]], ledger_column: str = "ledger_id", delta_rs: bool = False) -> str:
@@ -127,6 +129,10 @@ def sql_string(text: str, delta_rs: bool = False) -> str:
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
 
 
+# Commits that change no row of a table (delta-rs's VACUUM writes two, Delta's OPTIMIZE rewrites files).
+MAINTENANCE_OPERATIONS = ("VACUUM START", "VACUUM END", "OPTIMIZE")
+
+
 class DeltaTables:
     """Arrow reads and appends of the warehouse's Delta tables, without Spark."""
 
@@ -159,13 +165,38 @@ class DeltaTables:
             return None
 
     def last_commit(self, table: str) -> dict[str, Any] | None:
-        """The commit info of the table's latest version (its `version` included; the custom
-        metadata of a commit are keys of it), or None when the table does not exist."""
+        """The commit info of the table's latest version (its `version` included), or None when
+        the table does not exist. The commit's metadata are keys of it, whichever writer committed:
+        delta-rs puts them there (`overwrite(commit_metadata=...)`), Spark's `Warehouse.overwrite`
+        as a JSON object in `userMetadata`."""
+        return self._commit_info(table, limit=1)
+
+    def last_rows_commit(self, table: str) -> dict[str, Any] | None:
+        """As `last_commit`, for the latest commit that changed the table's rows: the VACUUMs and
+        OPTIMIZEs of table maintenance that came after it (at most a few) are skipped. None when
+        the table does not exist or only such commits are among its latest ten."""
+        return self._commit_info(table, limit=10, skipped=MAINTENANCE_OPERATIONS)
+
+    def _commit_info(self, table: str, limit: int, skipped: tuple[str, ...] = ()) -> dict[str, Any] | None:
         handle = self._handle(table)
         if handle is None:
             return None
-        latest = handle.history(limit=1)
-        return latest[0] if latest else None
+        latest = [c for c in handle.history(limit=limit) if c.get("operation") not in skipped][:1]
+        if not latest:
+            return None
+        info = dict(latest[0])
+        try:
+            spark_metadata = json.loads(info.get("userMetadata") or "{}")
+        except ValueError:
+            spark_metadata = {}  # another tool's free text
+        if isinstance(spark_metadata, dict):
+            info.update({k: v for k, v in spark_metadata.items() if k not in info})
+        return info
+
+    def columns(self, table: str) -> list[str] | None:
+        """The column names of the table's latest version, or None when it does not exist."""
+        handle = self._handle(table)
+        return None if handle is None else [f.name for f in handle.schema().fields]
 
     def dataset(self, table: str, version: int | None = None) -> pyarrow.dataset.Dataset:
         """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches;

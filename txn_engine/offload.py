@@ -21,11 +21,18 @@ How the work is laid out, and why (writing Parquet costs several times what read
 - one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
   and the manifest describe the same rows;
 - the facts are narrow (no payload), and so is the catalog that eligibility is decided from;
-- the offloaded ledgers' rows are classified against the duplicates and the decided
-  transactions, both broadcast (no full row is shuffled), and the kept ones written;
-- the manifest (range, counts by reason, bytes, the checksum of the kept rows) is one aggregate
-  over the same classification, recomputed rather than cached: re-reading the rows costs less
-  than spilling them, and the tier is not read back.
+- the kept rows: when the facts come from the buffer's state and the run that wrote it recorded
+  the `committed_entries` version it left (`COMMITTED_ENTRIES_AT`), they are that version's rows
+  of the offloaded ledgers. It holds the read-committed rows of exactly the log the state
+  describes, and an eligible ledger holds decided entries only, so its rows there are its kept
+  rows: a filtered copy with no join. The manifest then takes the kept side (count, bytes,
+  checksum) from the tier rows written, read back, and the dropped side from the state's
+  per-(ledger, transaction) counts (`drops_from_state`); the kept count must lie within the
+  bounds the state gives, else the run stops before the manifest (`OffloadStateError`);
+- otherwise the offloaded ledgers' rows are classified against the duplicates and the decided
+  transactions, both broadcast (no full row is shuffled), and the kept ones written; the
+  manifest is one aggregate over the same classification, recomputed rather than cached
+  (re-reading the rows costs less than spilling them).
 
 Per ledger the write is three steps, and the manifest row is the commit point:
 1. the kept rows replace the ledger's rows in `offloaded_entries` (Delta replaceWhere: one commit);
@@ -49,10 +56,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
-from pyspark.sql import Column, DataFrame
+from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_incremental import LEDGER_COUNT_COLUMNS, inventory_of, plan_scope, state_ledger_counts
+from txn_engine.buffer_incremental import (
+    COMMITTED_ENTRIES_AT,
+    LEDGER_COUNT_COLUMNS,
+    inventory_of,
+    plan_scope,
+    state_is_current,
+    state_ledger_counts,
+)
 from txn_engine.buffer_jobs import (
     NARROW_COLUMNS,
     TXN_KEY,
@@ -71,7 +85,10 @@ from txn_engine.positions import Position
 from txn_engine.schema import (
     BUFFER_DUPLICATES,
     BUFFER_LEDGER_TXNS,
+    COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
+    LEDGERS,
+    LEDGERS_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
@@ -79,6 +96,7 @@ from txn_engine.schema import (
     POSITION_COLUMNS,
     STABLE_POSITIONS,
 )
+from txn_engine.errors import TxnlakeError
 from txn_engine.step_clock import StepClock
 from txn_engine.warehouse import Warehouse
 
@@ -102,6 +120,10 @@ TIER_CLEAN_AT = "txnlake.offload.tier_clean_at_version"
 AFTER_ENTRIES, AFTER_MANIFEST = "after_entries", "after_manifest"
 
 LedgerKey = tuple[str, int]  # (topic, ledger_id)
+
+
+class OffloadStateError(TxnlakeError):
+    """The buffer's tables disagree about a ledger being offloaded; its manifest row was not written."""
 
 # Up to this many decided transactions are broadcast to the offloaded rows (~100 bytes each in
 # the hash table: ~1.1 million at 10 million entries); beyond it Spark joins by shuffle.
@@ -194,6 +216,51 @@ def manifest_counts(classified: DataFrame) -> DataFrame:
     )
 
 
+def kept_rows_summary(tier: DataFrame) -> DataFrame:
+    """Per (topic, ledger_id) of tier rows: `entries_kept`, `bytes_after` and their `checksum`
+    (`content_checksum`, as `manifest_counts` computes them over the classified rows). Pure."""
+    return tier.groupBy("topic", "ledger_id").agg(
+        F.count("*").alias("entries_kept"),
+        F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
+        content_checksum().alias("checksum"),
+    )
+
+
+def drops_from_state(ledger_txns: DataFrame, txns: DataFrame) -> DataFrame:
+    """Per (topic, ledger_id), the manifest's counts by reason from the buffer's state instead of
+    the ledger's rows: `entries_before`, `dropped_markers`, `dropped_duplicates`, `dropped_aborted`,
+    and the bounds `kept_at_least` <= KEPT <= `kept_at_most`. Pure.
+
+    `ledger_txns` are the per-(topic, ledger, transaction) rows of the buffer's state
+    (`buffer_jobs.by_ledger_txn`), `txns` the transactions folded from them. They are
+    `classify_for_offload`'s rules summed per group: a group's data not retried is
+    entry_count - marker_count - duplicate_count, and it is all ABORTED (an aborted transaction),
+    all KEPT (no transaction, or a COMMIT whose first marker is in a later ledger, or in this one
+    after every entry of the group) or all OTHER (a COMMIT in an earlier ledger). Only a group that
+    holds entries after its COMMIT in the same ledger (late data, or a second marker) splits, which
+    the bounds leave open: the caller takes KEPT from the tier rows and checks it lies within them.
+    """
+    t = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
+    groups = ledger_txns.join(t, list(TXN_KEY), "left")
+    data = F.col("entry_count") - F.col("marker_count") - F.col("duplicate_count")
+    commit = F.col("outcome") == "COMMIT"
+    marker_here = commit & (F.col("_ml") == F.col("ledger_id"))
+    all_kept = ~has_txn() | (commit & (F.col("_ml") > F.col("ledger_id"))) | (marker_here & (F.col("last_entry_id") <= F.col("_me")))
+    split = marker_here & (F.col("last_entry_id") > F.col("_me"))
+
+    def total(column: Column) -> Column:
+        return F.coalesce(F.sum(column), F.lit(0)).cast("long")
+
+    return groups.groupBy("topic", "ledger_id").agg(
+        total(F.col("entry_count")).alias("entries_before"),
+        total(F.col("marker_count")).alias("dropped_markers"),
+        total(F.col("duplicate_count")).alias("dropped_duplicates"),
+        total(F.when(F.col("outcome") == "ABORT", data)).alias("dropped_aborted"),
+        total(F.when(all_kept, data)).alias("kept_at_least"),
+        total(F.when(all_kept | split, data)).alias("kept_at_most"),
+    )
+
+
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
     return frame.where(ledger_predicate(ledgers))
 
@@ -211,6 +278,10 @@ class OffloadResult:
     rolled_back_orphans: list[LedgerKey] = field(default_factory=list)
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
+    # Where the kept rows were copied from: COMMITTED_ENTRIES (the buffer's, at the version its state
+    # records; the manifest then counts from that state and the rows written) or FROM_LEDGER_ENTRIES
+    # (each row of the offloaded ledgers classified).
+    kept_from: str = FROM_LEDGER_ENTRIES
     # Whether the orphan check read the tier's ledgers (False: no tier yet, or the tier is still at
     # the version the last manifest commit recorded as clean).
     tier_scanned: bool = False
@@ -256,20 +327,21 @@ def offload_ledgers(
     # The catalog of the same version, with only what eligibility and the state check need: the
     # ledgers' ranges (`ledger_ranges`: delta-rs and Arrow, no Spark scan) and their states.
     # Collected once (a row per ledger) and used as a small local frame by both steps below.
-    catalog_rows = (
-        ledger_ranges_catalog(wh, log_version).select("topic", "ledger_id", "state", "entry_count", "last_entry_id").collect()
-    )
+    catalog_rows = ledger_ranges_catalog(wh, log_version).select(
+        "topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"
+    ).collect()
     catalog_now = wh.spark.createDataFrame(
-        catalog_rows, "topic string, ledger_id long, state string, entry_count long, last_entry_id long"
+        catalog_rows, "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long"
     )
     lap("catalog")
-    facts, facts_from = _buffer_facts(wh, entries, catalog_now)
+    facts, facts_from, committed = _buffer_facts(wh, entries, catalog_now)
     stable = stable_from_facts(facts).cache()
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=facts_from, step_seconds=lap.seconds)  # later laps land there too
+        result = OffloadResult(facts_from=facts_from, kept_from=FROM_LEDGER_ENTRIES if committed is None else COMMITTED_ENTRIES,
+                               step_seconds=lap.seconds)  # later laps land there too
         manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
         in_manifest = _ledgers_of(wh, OFFLOAD_MANIFEST, manifest_commit and manifest_commit["version"])
         tier_version = wh.version(OFFLOADED_ENTRIES)
@@ -304,18 +376,25 @@ def offload_ledgers(
             # The tier version with no orphans once this run's manifest commit lands, if this run's
             # write is the only tier commit after the one checked (-1: there was no tier).
             clean_before = None if result.rolled_back_orphans else (-1 if tier_version is None else tier_version)
-            result.manifest = _copy_ledgers(wh, entries, facts, sorted(targets), stable_at, crash_hook, lap, clean_before)
+            ranges = {(r["topic"], r["ledger_id"]): r for r in catalog_rows}
+            copy = _Copy(wh, entries, facts, committed, sorted(targets), ranges)
+            result.manifest = _copy_ledgers(copy, stable_at, crash_hook, lap, clean_before)
         return result
     finally:
         for frame in [*facts.cached_frames(), stable]:
             frame.unpersist()
 
 
-def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tuple[BufferFacts, str]:
+def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tuple[BufferFacts, str, DataFrame | None]:
     """The buffer's facts of the pinned log (`catalog` is its ledger catalog): folded from the
     buffer's state when it describes exactly these ledgers, else classified from the log.
-    Narrow frames, cached."""
-    if wh.exists(BUFFER_LEDGER_TXNS) and wh.exists(BUFFER_DUPLICATES):
+    Narrow frames, cached.
+
+    Third: `committed_entries` at the version the run that wrote this state left it
+    (`COMMITTED_ENTRIES_AT`), when the facts come from the state and that run recorded it: the
+    read-committed rows of exactly this log, so an eligible ledger's rows there are its kept rows.
+    """
+    if state_is_current(wh) and wh.exists(BUFFER_DUPLICATES):
         # Read buffer_ledger_txns first: a buffer run writes it last, so a run in progress can only
         # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
         # duplicates in either version.
@@ -329,8 +408,14 @@ def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tupl
             duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
             txns = txns_from_ledger_txns(ledger_txns).cache()
             ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-            return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns), FROM_BUFFER_STATE
-    return classify_entries(entries, persist=True), FROM_LEDGER_ENTRIES
+            facts = BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
+            state_commit = DeltaTables(wh).last_rows_commit(BUFFER_LEDGER_TXNS) or {}
+            committed_at = state_commit.get(COMMITTED_ENTRIES_AT)
+            # The state read is the commit that recorded it (later commits only VACUUMed or OPTIMIZEd).
+            if committed_at is None or state_commit.get("version") > state_version:
+                return facts, FROM_BUFFER_STATE, None
+            return facts, FROM_BUFFER_STATE, _pinned(wh, COMMITTED_ENTRIES, int(committed_at))
+    return classify_entries(entries, persist=True), FROM_LEDGER_ENTRIES, None
 
 
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
@@ -350,37 +435,106 @@ def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
     return _pinned(wh, table, wh.version(table))
 
 
+@dataclass
+class _Copy:
+    """What one run copies: the pinned log, its facts, the kept rows' source, the ledgers and their ranges."""
+
+    wh: Warehouse
+    entries: DataFrame  # the pinned ledger_entries
+    facts: BufferFacts
+    committed: DataFrame | None  # committed_entries at the state's version, or None: classify the log
+    targets: list[LedgerKey]
+    ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
+
+    def kept_rows(self) -> DataFrame:
+        if self.committed is not None:
+            # Eligible ledgers hold decided entries only: their committed_entries rows are the kept rows.
+            return _in_ledgers(self.committed, self.targets).select(*LEDGER_ENTRY_COLUMNS)
+        classified = classify_for_offload(_in_ledgers(self.entries, self.targets), self._decided(), self.facts.duplicates)
+        return classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
+
+    def counts(self, tier_version: int) -> dict[LedgerKey, dict]:
+        """Per ledger: the manifest's range, counts by reason, bytes and checksum."""
+        if self.committed is None:
+            # The same rows again (same log version, same classification): what was written, counted.
+            # Size and hash first, then only narrow rows go through the joins (no payload carried).
+            sized = _in_ledgers(self.entries, self.targets).select(
+                *NARROW_COLUMNS, entry_size_bytes().alias("_bytes"), row_hash().alias("_hash")
+            )
+            narrow_classified = classify_for_offload(sized, self._decided(), self.facts.duplicates)
+            return {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(narrow_classified).collect()}
+        # The kept side from the rows written (read back from the tier version this run made), the
+        # dropped side from the buffer's state, whose groups this log's ledgers are.
+        tier = _in_ledgers(_pinned(self.wh, OFFLOADED_ENTRIES, tier_version), self.targets)
+        kept = {(r["topic"], r["ledger_id"]): r.asDict() for r in kept_rows_summary(tier).collect()}
+        state = _in_ledgers(self.facts.by_ledger_txn, self.targets)
+        drops = {(r["topic"], r["ledger_id"]): r.asDict() for r in drops_from_state(state, self.facts.txns).collect()}
+        sizes = _entry_bytes(self.wh, self.entries, self.ranges, self.targets)
+        counts = {}
+        for key in self.targets:
+            drop, range_ = drops[key], self.ranges[key]
+            kept_row = kept.get(key) or {"entries_kept": 0, "bytes_after": 0, "checksum": "0"}
+            entries_kept = kept_row["entries_kept"]
+            if not drop["kept_at_least"] <= entries_kept <= drop["kept_at_most"] or drop["entries_before"] != range_["entry_count"]:
+                raise OffloadStateError(
+                    f"ledger {key[1]} of topic {key[0]!r}: committed_entries holds {entries_kept} of its entries, but the "
+                    f"transaction buffer's state says {drop['kept_at_least']}-{drop['kept_at_most']} of its "
+                    f"{drop['entries_before']} entries are readable (the log holds {range_['entry_count']}). Nothing was "
+                    "recorded for it; recompute the transaction buffer over every ledger (`txnlake run`), then offload again."
+                )
+            counts[key] = {
+                "topic": key[0], "ledger_id": key[1],
+                "first_entry_id": range_["first_entry_id"], "last_entry_id": range_["last_entry_id"],
+                "entries_before": drop["entries_before"], "entries_kept": entries_kept,
+                "dropped_markers": drop["dropped_markers"], "dropped_aborted": drop["dropped_aborted"],
+                "dropped_duplicates": drop["dropped_duplicates"],
+                "dropped_other": drop["entries_before"] - entries_kept - drop["dropped_markers"] - drop["dropped_aborted"]
+                - drop["dropped_duplicates"],
+                "bytes_before": sizes[key], "bytes_after": kept_row["bytes_after"], "checksum": kept_row["checksum"],
+            }
+        return counts
+
+    def _decided(self) -> DataFrame:
+        decided = self.facts.txns.where(F.col("outcome").isNotNull())
+        return F.broadcast(decided) if decided.count() <= BROADCAST_TXNS_MAX else decided  # `txns` is cached: a cheap count
+
+
+def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, Row], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
+    """`entry_size_bytes` summed per ledger: the `ledgers` catalog's `size_bytes` where its row
+    has the pinned range and count (entries are only ever appended to a ledger, and retention
+    removes whole ledgers, so the same range and count are the same entries), the others summed
+    from the pinned log (one narrow Spark job)."""
+    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "first_entry_id", "last_entry_id",
+                                                             "entry_count", "size_bytes"]).to_pylist()
+    same = {(r["topic"], r["ledger_id"]): r["size_bytes"] for r in catalog
+            if (r["topic"], r["ledger_id"]) in ranges and all(
+                r[c] == ranges[(r["topic"], r["ledger_id"])][c] for c in ("first_entry_id", "last_entry_id", "entry_count"))}
+    sizes = {key: same[key] for key in targets if key in same}
+    rest = [key for key in targets if key not in sizes]
+    if rest:
+        summed = _in_ledgers(entries, rest).groupBy("topic", "ledger_id").agg(F.sum(entry_size_bytes()).cast("long").alias("b"))
+        sizes.update({(r["topic"], r["ledger_id"]): r["b"] or 0 for r in summed.collect()})
+    return sizes
+
+
 def _copy_ledgers(
-    wh: Warehouse,
-    entries: DataFrame,
-    facts,
-    targets: list[LedgerKey],
+    copy: _Copy,
     stable_at: dict[str, Position],
     crash_hook: Callable[[str], None] | None,
     lap: Callable[[str], None],
     clean_before: int | None,
 ) -> list[dict]:
+    wh, targets = copy.wh, copy.targets
     predicate = ledger_predicate(targets)
-    decided = facts.txns.where(F.col("outcome").isNotNull())
-    if decided.count() <= BROADCAST_TXNS_MAX:  # `txns` is cached: a cheap count
-        decided = F.broadcast(decided)
-    classified = classify_for_offload(_in_ledgers(entries, targets), decided, facts.duplicates)
-    kept = classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
     # Step 1: the tier rows of these ledgers, replaced in one commit.
-    wh.overwrite(OFFLOADED_ENTRIES, kept, replace_where=predicate)
+    wh.overwrite(OFFLOADED_ENTRIES, copy.kept_rows(), replace_where=predicate)
     written_at = wh.version(OFFLOADED_ENTRIES)
     # Clean at the version this write made once its manifest rows land, unless another commit came between.
     clean = {TIER_CLEAN_AT: str(written_at)} if clean_before is not None and written_at == clean_before + 1 else None
     lap("write")
     if crash_hook:
         crash_hook(AFTER_ENTRIES)
-    # The same rows again (same log version, same classification): what was written, counted.
-    # Size and hash first, then only narrow rows go through the joins (no payload carried).
-    sized = _in_ledgers(entries, targets).select(
-        *NARROW_COLUMNS, entry_size_bytes().alias("_bytes"), row_hash().alias("_hash")
-    )
-    narrow_classified = classify_for_offload(sized, decided, facts.duplicates)
-    counts = {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(narrow_classified).collect()}
+    counts = copy.counts(written_at)
     location, now = wh.path(OFFLOADED_ENTRIES), datetime.now(timezone.utc)
     rows = []
     for key in targets:

@@ -278,6 +278,10 @@ BUFFER_LEDGER_TXNS_SCHEMA = StructType(
         StructField("marker_entry_id", LongType(), True),
         StructField("marker_is_commit", BooleanType(), True),
         StructField("data_entry_id", LongType(), True),
+        # Retried sends among the entries (`buffer_duplicates` of this ledger and transaction): with
+        # entry_count and marker_count it gives the data a ledger holds per transaction, which the
+        # offload's manifest counts by reason without re-reading the log.
+        StructField("duplicate_count", LongType(), False),
     ]
 )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from contextlib import contextmanager
@@ -105,11 +106,16 @@ class Warehouse:
         df: DataFrame,
         replace_where: str | None = None,
         path: str | None = None,
+        commit_metadata: dict[str, str] | None = None,
     ) -> None:
-        """Replace the table (or only the rows matching `replace_where`) in one Delta commit."""
+        """Replace the table (or only the rows matching `replace_where`) in one Delta commit, whose
+        commit info carries `commit_metadata` (as Delta's `userMetadata`, a JSON object:
+        `DeltaTables.last_commit` reads it back)."""
         location = path or self.path(table)
         with self.writer(table):
             writer = df.write.format("delta").mode("overwrite")
+            if commit_metadata:
+                writer = writer.option("userMetadata", json.dumps(commit_metadata, sort_keys=True))
             if replace_where is not None and self.exists(table, location):
                 writer = writer.option("replaceWhere", replace_where)
             else:
