@@ -16,7 +16,7 @@ from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import classify_entries, stable_from_facts
 from deltalake import DeltaTable
 
-from txn_engine.buffer_incremental import COMMITTED_ENTRIES_AT
+from txn_engine.buffer_incremental import recorded_version_key
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (
     AFTER_ENTRIES,
@@ -26,7 +26,9 @@ from txn_engine.offload import (
     OFFLOAD_STEPS,
     TIER_CLEAN_AT,
     OffloadStateError,
-    _buffer_facts,
+    _facts_from_state,
+    _recorded_tables,
+    _state_version,
     checksum_of,
     content_checksum,
     offload_ledgers,
@@ -39,6 +41,8 @@ from txn_engine.schema import (
     LEDGER_STATES_LOG,
     OFFLOAD_MANIFEST,
     OFFLOADED_ENTRIES,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
 )
 
 
@@ -185,11 +189,15 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     entries = warehouse.read(LEDGER_ENTRIES)
     catalog = current_ledger_catalog(warehouse, entries)
-    from_state, source, committed = _buffer_facts(warehouse, entries, catalog)
-    assert source == FROM_BUFFER_STATE
-    # The buffer recorded the committed_entries version its run left: the kept rows come from there.
-    assert committed is not None
-    assert rows_of(committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
+    state_version = _state_version(warehouse, catalog)
+    assert state_version == warehouse.version(BUFFER_LEDGER_TXNS)  # the state describes this log
+    from_state = _facts_from_state(warehouse, entries, state_version)
+    # The buffer recorded the versions its run left of the tables the offload reads: they are the
+    # tables of this log (the kept rows come from committed_entries, eligibility from stable_positions).
+    recorded = _recorded_tables(warehouse, state_version)
+    assert rows_of(recorded.committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
+    assert recorded.versions == {t: warehouse.version(t) for t in (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)}
+    assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(stable_from_facts(classify_entries(entries)))
     from_log = classify_entries(entries)
     # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
     assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
@@ -320,8 +328,9 @@ def test_committed_entries_that_disagree_with_the_buffer_state_are_refused_and_n
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     # A buffer bug (or a hand edit) in the recorded committed_entries version: ledger 1's commit of A lost.
     warehouse.delete(COMMITTED_ENTRIES, "ledger_id = 1 AND txn_most_bits IS NOT NULL")
-    state = warehouse.read(BUFFER_LEDGER_TXNS).localCheckpoint()
-    warehouse.overwrite(BUFFER_LEDGER_TXNS, state, commit_metadata={COMMITTED_ENTRIES_AT: str(warehouse.version(COMMITTED_ENTRIES))})
+    recorded = {k: v for k, v in DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS).items() if k.startswith("txnlake.")}
+    recorded[recorded_version_key(COMMITTED_ENTRIES)] = str(warehouse.version(COMMITTED_ENTRIES))
+    warehouse.overwrite(BUFFER_LEDGER_TXNS, warehouse.read(BUFFER_LEDGER_TXNS).localCheckpoint(), commit_metadata=recorded)
     with pytest.raises(OffloadStateError, match=r"ledger 1 of topic 't': committed_entries holds 1 .* says 2-2 .*`txnlake run`"):
         offload_ledgers(warehouse)
     assert not warehouse.exists(OFFLOAD_MANIFEST)  # no manifest row: readers still read the hot tables
@@ -344,9 +353,13 @@ def test_a_buffer_state_written_by_older_code_is_rebuilt_and_meanwhile_the_log_d
     assert offload_ledgers(warehouse, ledger_ids=[1]).facts_from == FROM_LEDGER_ENTRIES
     rebuilt = refresh_buffer(warehouse, ledger_inventory(warehouse))  # incremental asked: a full run instead
     assert rebuilt.full and "duplicate_count" in warehouse.read(BUFFER_LEDGER_TXNS).columns
-    again = offload_ledgers(warehouse)
+    again = offload_ledgers(warehouse, ledger_ids=[2])
     assert (again.facts_from, again.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
-    assert sorted(again.offloaded) == [("t", 2), ("t", 3), ("u", 5)]
+    # A state with every column but no recorded versions: facts from the state, rows classified from the log.
+    warehouse.overwrite(BUFFER_LEDGER_TXNS, warehouse.read(BUFFER_LEDGER_TXNS).localCheckpoint())
+    last = offload_ledgers(warehouse)
+    assert (last.facts_from, last.kept_from) == (FROM_BUFFER_STATE, FROM_LEDGER_ENTRIES)
+    assert sorted(again.offloaded + last.offloaded) == [("t", 2), ("t", 3), ("u", 5)]
 
 
 def test_the_state_read_after_table_maintenance_still_names_its_committed_entries(warehouse, tmp_path):
@@ -355,8 +368,8 @@ def test_the_state_read_after_table_maintenance_still_names_its_committed_entrie
     # Files the state no longer references, old enough for VACUUM to delete (as table maintenance does).
     DeltaTable(warehouse.path(BUFFER_LEDGER_TXNS)).alter.set_table_properties({FILE_RETENTION_PROPERTY: "interval 0 seconds"})
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
-    recorded = DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS)[COMMITTED_ENTRIES_AT]
+    recorded = DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS)[recorded_version_key(COMMITTED_ENTRIES)]
     assert DeltaTables(warehouse).vacuum(BUFFER_LEDGER_TXNS)  # two commits, no row changed
     assert DeltaTables(warehouse).last_commit(BUFFER_LEDGER_TXNS)["operation"] == "VACUUM END"
-    assert DeltaTables(warehouse).last_rows_commit(BUFFER_LEDGER_TXNS)[COMMITTED_ENTRIES_AT] == recorded
+    assert DeltaTables(warehouse).last_rows_commit(BUFFER_LEDGER_TXNS)[recorded_version_key(COMMITTED_ENTRIES)] == recorded
     assert offload_ledgers(warehouse).kept_from == COMMITTED_ENTRIES

@@ -12,11 +12,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
-from txn_engine.offload import FROM_BUFFER_STATE, offload_ledgers
+from txn_engine.buffer_jobs import NARROW_COLUMNS, classify_entries
+from txn_engine.delta_io import ledger_predicate
+from txn_engine.ledgers import entry_size_bytes
+from txn_engine.offload import FROM_BUFFER_STATE, classify_for_offload, manifest_counts, offload_ledgers, row_hash
 from txn_engine.positions import EARLIEST
 from txn_engine.reader import TopicReader
 from txn_engine.retention import RetentionPolicy, apply_retention
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS
+from txn_engine.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS
 from txn_engine.transaction_buffer import LogEntry, replay
 
 # One step: (starts a new ledger?, what to append, which open transaction / earlier send it picks).
@@ -60,6 +63,20 @@ def reference(entries: list[LogEntry]) -> dict[str, list[tuple]]:
             for topic, buffer in replay(entries).items()}
 
 
+COUNTED = ("first_entry_id", "last_entry_id", "entries_before", "entries_kept", "dropped_markers", "dropped_aborted",
+           "dropped_duplicates", "dropped_other", "bytes_before", "bytes_after", "checksum")
+
+
+def manifest_by_classification(warehouse, ledgers) -> dict:
+    """The manifest's counts as the log path computes them: every row of the ledgers classified."""
+    entries = warehouse.read(LEDGER_ENTRIES)
+    facts = classify_entries(entries)
+    sized = entries.where(ledger_predicate(ledgers)).select(*NARROW_COLUMNS, entry_size_bytes().alias("_bytes"),
+                                                           row_hash().alias("_hash"))
+    classified = classify_for_offload(sized, facts.txns.where("outcome IS NOT NULL"), facts.duplicates)
+    return {(r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in manifest_counts(classified).collect()}
+
+
 def read_all(warehouse, topics) -> dict[str, list[tuple]]:
     reader = TopicReader(warehouse)
     return {t: [(e.ledger_id, e.entry_id, bytes(e.payload)) for e in reader.read(t).entries] for t in topics}
@@ -76,10 +93,15 @@ def test_tier_plus_hot_reads_equal_the_reference(warehouse, histories):
         warehouse.delete(table, "true")  # a fresh warehouse per example
     expected = reference(entries)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
-    # The buffer's state describes this log, so the offload decides from it (the differential
-    # check against deciding from the log itself is in test_offload).
-    assert offload_ledgers(warehouse).facts_from == FROM_BUFFER_STATE
+    # The buffer's state describes this log, so the offload decides from it and copies from its
+    # committed_entries (the differential check against deciding from the log itself is in test_offload).
+    result = offload_ledgers(warehouse)
+    assert (result.facts_from, result.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
     assert read_all(warehouse, expected) == expected
+    # The manifest counted from the state and the tier equals counting each row of the log by its disposition.
+    assert manifest_by_classification(warehouse, result.offloaded) == {
+        (r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in result.manifest
+    }
     apply_retention(warehouse, RetentionPolicy(keep_ledgers=1))
     refresh_buffer(warehouse, ledger_inventory(warehouse))  # incremental: the topics that lost ledgers
     assert read_all(warehouse, expected) == expected

@@ -103,10 +103,15 @@ from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
-# Commit metadata of a run's `buffer_ledger_txns` commit (its last): the `committed_entries` version
-# the run's own writes left. Read at that version, committed_entries holds exactly the read-committed
-# rows of the log this state describes (`DeltaTables.last_commit`).
-COMMITTED_ENTRIES_AT = "txnlake.buffer.committed_entries_version"
+# Commit metadata of a run's `buffer_ledger_txns` commit (its last): per contract table, the version
+# the run's own writes left. Read at those versions, the tables describe exactly the log this state
+# describes, whatever was written since (`DeltaTables.last_commit`; the offload reads them so).
+RECORDED_TABLES = (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)
+
+
+def recorded_version_key(table: str) -> str:
+    """The commit-metadata key under which a buffer run records `table`'s version."""
+    return f"txnlake.buffer.{table}_version"
 # The column that attributes a row to the ledger whose recomputation rewrites it.
 LEDGER_COLUMN = {
     TXN_MARKERS: "ledger_id",
@@ -453,16 +458,16 @@ def _write(wh, facts, scope_ledger_txns, stable, kept_state, old_stable, scope, 
         _move_stable_prefix(wh, old_stable, stable.collect(), set(scope) | set(deleted), flip_by_driver)
         if after_write:
             after_write("in_stable_prefix")
-    committed_at = wh.version(COMMITTED_ENTRIES)
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
     # older rows agrees with, so a run stopped before this line moves them next time.
     write(STABLE_POSITIONS, stable, whole=True)
+    recorded = {recorded_version_key(t): str(wh.version(t)) for t in RECORDED_TABLES}
     # State last, buffer_ledger_txns the very last: it records what is done.
     write(BUFFER_PENDING_ENTRIES, pending_entries(facts.entries, facts.duplicates, scope_ledger_txns))
     write(BUFFER_DUPLICATES, conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA))
     write(BUFFER_SEQUENCE_RANGES, sequence_ranges(facts.entries.select(*NARROW_COLUMNS), facts.duplicates))
-    # With the version of committed_entries this run left (the offload copies decided ledgers' rows from it).
-    write(BUFFER_LEDGER_TXNS, scope_ledger_txns, commit_metadata={COMMITTED_ENTRIES_AT: str(committed_at)})
+    # With the versions of the contract tables this run left (the offload decides and copies from them).
+    write(BUFFER_LEDGER_TXNS, scope_ledger_txns, commit_metadata=recorded)
     ledgers = sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full else sorted(scope)
     return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark")
 

@@ -14,21 +14,24 @@ Everything is decided with the buffer's own rules, from one consistent view of t
   the topic's transaction buffer, it does not re-read the topic);
 - otherwise (no state yet, a ledger the buffer has not processed, a ledger retention removed)
   they are classified from the pinned `ledger_entries` itself (`buffer_jobs.classify_entries`).
-Never from the contract tables, which may be half rewritten. Both ways give the same facts
-(tested): the state is by definition the per-ledger step of `classify_entries`.
+Both ways give the same facts (tested): the state is by definition the per-ledger step of
+`classify_entries`. The contract tables are read only at the versions the run that wrote the
+state recorded (below), never as they are now: they may be newer than the log version read, or
+half rewritten by a buffer run in progress.
 
 How the work is laid out, and why (writing Parquet costs several times what reading it does):
 - one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
   and the manifest describe the same rows;
 - the facts are narrow (no payload), and so is the catalog that eligibility is decided from;
-- the kept rows: when the facts come from the buffer's state and the run that wrote it recorded
-  the `committed_entries` version it left (`COMMITTED_ENTRIES_AT`), they are that version's rows
-  of the offloaded ledgers. It holds the read-committed rows of exactly the log the state
-  describes, and an eligible ledger holds decided entries only, so its rows there are its kept
-  rows: a filtered copy with no join. The manifest then takes the kept side (count, bytes,
-  checksum) from the tier rows written, read back, and the dropped side from the state's
-  per-(ledger, transaction) counts (`drops_from_state`); the kept count must lie within the
-  bounds the state gives, else the run stops before the manifest (`OffloadStateError`);
+- the kept rows: when the buffer's state describes the pinned log and the run that wrote it
+  recorded the versions it left of `txn_markers`, `committed_entries` and `stable_positions`
+  (`buffer_incremental.RECORDED_TABLES`), those versions describe exactly this log: eligibility
+  takes that `stable_positions` (nothing refolded), and an eligible ledger, which holds decided
+  entries only, has its kept rows in that `committed_entries`: a filtered copy with no join. The
+  manifest then takes the kept side (count, bytes, checksum) from the tier rows written, read
+  back, and the dropped side from the state's per-(ledger, transaction) counts and the first
+  markers (`drops_from_state`); the kept count must lie within the bounds the state gives, else
+  the run stops before the manifest (`OffloadStateError`);
 - otherwise the offloaded ledgers' rows are classified against the duplicates and the decided
   transactions, both broadcast (no full row is shuffled), and the kept ones written; the
   manifest is one aggregate over the same classification, recomputed rather than cached
@@ -56,14 +59,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_incremental import (
-    COMMITTED_ENTRIES_AT,
     LEDGER_COUNT_COLUMNS,
+    RECORDED_TABLES,
     inventory_of,
     plan_scope,
+    recorded_version_key,
     state_is_current,
     state_ledger_counts,
 )
@@ -95,6 +101,8 @@ from txn_engine.schema import (
     OFFLOADED_ENTRIES,
     POSITION_COLUMNS,
     STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
+    TXN_MARKERS,
 )
 from txn_engine.errors import TxnlakeError
 from txn_engine.step_clock import StepClock
@@ -226,39 +234,49 @@ def kept_rows_summary(tier: DataFrame) -> DataFrame:
     )
 
 
-def drops_from_state(ledger_txns: DataFrame, txns: DataFrame) -> DataFrame:
+def drops_from_state(ledger_txns: pa.Table, first_markers: pa.Table) -> pa.Table:
     """Per (topic, ledger_id), the manifest's counts by reason from the buffer's state instead of
     the ledger's rows: `entries_before`, `dropped_markers`, `dropped_duplicates`, `dropped_aborted`,
-    and the bounds `kept_at_least` <= KEPT <= `kept_at_most`. Pure.
+    and the bounds `kept_at_least` <= KEPT <= `kept_at_most`. Pure, in Arrow: a fold of a row per
+    (ledger, transaction) of the ledgers offloaded, which a Spark join and aggregate took 1.6-4.9 s
+    to do (docs/benchmarks.md).
 
-    `ledger_txns` are the per-(topic, ledger, transaction) rows of the buffer's state
-    (`buffer_jobs.by_ledger_txn`), `txns` the transactions folded from them. They are
-    `classify_for_offload`'s rules summed per group: a group's data not retried is
+    `ledger_txns`: the state's rows (`buffer_jobs.by_ledger_txn`) of those ledgers;
+    `first_markers`: `txn_markers` rows (a transaction's first marker: outcome and position).
+    They are `classify_for_offload`'s rules summed per group: a group's data not retried is
     entry_count - marker_count - duplicate_count, and it is all ABORTED (an aborted transaction),
     all KEPT (no transaction, or a COMMIT whose first marker is in a later ledger, or in this one
     after every entry of the group) or all OTHER (a COMMIT in an earlier ledger). Only a group that
     holds entries after its COMMIT in the same ledger (late data, or a second marker) splits, which
     the bounds leave open: the caller takes KEPT from the tier rows and checks it lies within them.
     """
-    t = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
-    groups = ledger_txns.join(t, list(TXN_KEY), "left")
-    data = F.col("entry_count") - F.col("marker_count") - F.col("duplicate_count")
-    commit = F.col("outcome") == "COMMIT"
-    marker_here = commit & (F.col("_ml") == F.col("ledger_id"))
-    all_kept = ~has_txn() | (commit & (F.col("_ml") > F.col("ledger_id"))) | (marker_here & (F.col("last_entry_id") <= F.col("_me")))
-    split = marker_here & (F.col("last_entry_id") > F.col("_me"))
-
-    def total(column: Column) -> Column:
-        return F.coalesce(F.sum(column), F.lit(0)).cast("long")
-
-    return groups.groupBy("topic", "ledger_id").agg(
-        total(F.col("entry_count")).alias("entries_before"),
-        total(F.col("marker_count")).alias("dropped_markers"),
-        total(F.col("duplicate_count")).alias("dropped_duplicates"),
-        total(F.when(F.col("outcome") == "ABORT", data)).alias("dropped_aborted"),
-        total(F.when(all_kept, data)).alias("kept_at_least"),
-        total(F.when(all_kept | split, data)).alias("kept_at_most"),
+    markers = first_markers.select([*TXN_KEY, "outcome", "ledger_id", "entry_id"]).rename_columns(
+        [*TXN_KEY, "_outcome", "_ml", "_me"]
     )
+    g = ledger_txns.join(markers, keys=list(TXN_KEY), join_type="left outer")  # null keys (no transaction) match nothing
+
+    def when(condition: pa.ChunkedArray, values: pa.ChunkedArray) -> pa.ChunkedArray:
+        return pc.if_else(pc.fill_null(condition, False), values, 0)
+
+    data = pc.subtract(pc.subtract(g["entry_count"], g["marker_count"]), g["duplicate_count"])
+    commit = pc.equal(g["_outcome"], "COMMIT")
+    marker_here = pc.and_kleene(commit, pc.equal(g["_ml"], g["ledger_id"]))
+    after_all = pc.less_equal(g["last_entry_id"], g["_me"])
+    all_kept = pc.or_kleene(
+        pc.or_kleene(pc.is_null(g["txn_most_bits"]), pc.and_kleene(commit, pc.greater(g["_ml"], g["ledger_id"]))),
+        pc.and_kleene(marker_here, after_all),
+    )
+    split = pc.and_kleene(marker_here, pc.invert(after_all))
+    parts = pa.table({
+        "topic": g["topic"], "ledger_id": g["ledger_id"],
+        "entries_before": g["entry_count"], "dropped_markers": g["marker_count"], "dropped_duplicates": g["duplicate_count"],
+        "dropped_aborted": when(pc.equal(g["_outcome"], "ABORT"), data),
+        "kept_at_least": when(all_kept, data),
+        "kept_at_most": when(pc.or_kleene(all_kept, split), data),
+    })
+    sums = [c for c in parts.column_names if c not in ("topic", "ledger_id")]
+    totals = parts.group_by(["topic", "ledger_id"]).aggregate([(c, "sum") for c in sums])
+    return totals.select(["topic", "ledger_id", *(f"{c}_sum" for c in sums)]).rename_columns(["topic", "ledger_id", *sums])
 
 
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
@@ -334,13 +352,20 @@ def offload_ledgers(
         catalog_rows, "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long"
     )
     lap("catalog")
-    facts, facts_from, committed = _buffer_facts(wh, entries, catalog_now)
-    stable = stable_from_facts(facts).cache()
+    state_version = _state_version(wh, catalog_now)
+    recorded = None if state_version is None else _recorded_tables(wh, state_version)
+    facts = None
+    if recorded is not None:
+        stable = wh.spark.createDataFrame(recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
+    else:
+        facts = classify_entries(entries, persist=True) if state_version is None else _facts_from_state(wh, entries, state_version)
+        stable = stable_from_facts(facts).cache()
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=facts_from, kept_from=FROM_LEDGER_ENTRIES if committed is None else COMMITTED_ENTRIES,
+        result = OffloadResult(facts_from=FROM_LEDGER_ENTRIES if state_version is None else FROM_BUFFER_STATE,
+                               kept_from=FROM_LEDGER_ENTRIES if recorded is None else COMMITTED_ENTRIES,
                                step_seconds=lap.seconds)  # later laps land there too
         manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
         in_manifest = _ledgers_of(wh, OFFLOAD_MANIFEST, manifest_commit and manifest_commit["version"])
@@ -377,45 +402,84 @@ def offload_ledgers(
             # write is the only tier commit after the one checked (-1: there was no tier).
             clean_before = None if result.rolled_back_orphans else (-1 if tier_version is None else tier_version)
             ranges = {(r["topic"], r["ledger_id"]): r for r in catalog_rows}
-            copy = _Copy(wh, entries, facts, committed, sorted(targets), ranges)
+            copy = _Copy(wh, entries, sorted(targets), ranges, facts, recorded)
             result.manifest = _copy_ledgers(copy, stable_at, crash_hook, lap, clean_before)
         return result
     finally:
-        for frame in [*facts.cached_frames(), stable]:
+        for frame in [*(facts.cached_frames() if facts else []), stable]:
             frame.unpersist()
 
 
-def _buffer_facts(wh: Warehouse, entries: DataFrame, catalog: DataFrame) -> tuple[BufferFacts, str, DataFrame | None]:
-    """The buffer's facts of the pinned log (`catalog` is its ledger catalog): folded from the
-    buffer's state when it describes exactly these ledgers, else classified from the log.
-    Narrow frames, cached.
+def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
+    """The version of the buffer's state (`buffer_ledger_txns`) when it describes exactly the
+    pinned log (`catalog` is its ledger catalog): every ledger's entry count and last entry agree,
+    the test the buffer's own planner applies. None otherwise (no state, a state written by an
+    older release, a ledger the buffer has not processed, a ledger retention removed)."""
+    if not (state_is_current(wh) and wh.exists(BUFFER_DUPLICATES)):
+        return None
+    state_version = wh.version(BUFFER_LEDGER_TXNS)
+    # The check reads four narrow columns by delta-rs (no Spark job: 4-5 s in a fresh JVM).
+    counts = DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version).to_table(columns=LEDGER_COUNT_COLUMNS)
+    plan = plan_scope(inventory_of(catalog), state_ledger_counts(counts), ())
+    return None if plan.ledgers or plan.deleted else state_version
 
-    Third: `committed_entries` at the version the run that wrote this state left it
-    (`COMMITTED_ENTRIES_AT`), when the facts come from the state and that run recorded it: the
-    read-committed rows of exactly this log, so an eligible ledger's rows there are its kept rows.
-    """
-    if state_is_current(wh) and wh.exists(BUFFER_DUPLICATES):
-        # Read buffer_ledger_txns first: a buffer run writes it last, so a run in progress can only
-        # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
-        # duplicates in either version.
-        state_version = wh.version(BUFFER_LEDGER_TXNS)
-        # The state check reads four narrow columns by delta-rs (no Spark job: 4-5 s in a fresh JVM).
-        counts = DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version).to_table(columns=LEDGER_COUNT_COLUMNS)
-        plan = plan_scope(inventory_of(catalog), state_ledger_counts(counts), ())
-        changed, deleted = plan.ledgers, plan.deleted
-        if not changed and not deleted:
-            ledger_txns = _pinned(wh, BUFFER_LEDGER_TXNS, state_version).cache()
-            duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
-            txns = txns_from_ledger_txns(ledger_txns).cache()
-            ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-            facts = BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
-            state_commit = DeltaTables(wh).last_rows_commit(BUFFER_LEDGER_TXNS) or {}
-            committed_at = state_commit.get(COMMITTED_ENTRIES_AT)
-            # The state read is the commit that recorded it (later commits only VACUUMed or OPTIMIZEd).
-            if committed_at is None or state_commit.get("version") > state_version:
-                return facts, FROM_BUFFER_STATE, None
-            return facts, FROM_BUFFER_STATE, _pinned(wh, COMMITTED_ENTRIES, int(committed_at))
-    return classify_entries(entries, persist=True), FROM_LEDGER_ENTRIES, None
+
+@dataclass
+class RecordedBufferTables:
+    """The buffer's tables as the run that wrote its state at `state_version` left them (the versions
+    it recorded in that commit, `RECORDED_TABLES`): one description of exactly the pinned log,
+    whatever was written since, read without refolding anything."""
+
+    wh: Warehouse
+    state_version: int  # of buffer_ledger_txns
+    versions: dict[str, int]  # of each of RECORDED_TABLES
+    committed: DataFrame  # committed_entries at its recorded version
+    stable_rows: list[dict]  # stable_positions at its recorded version, a row per topic
+
+    def state_of(self, ledgers: list[LedgerKey]) -> tuple[pa.Table, pa.Table]:
+        """The state's rows of these ledgers and the transactions' first markers, by delta-rs
+        (narrow; a row per ledger and transaction: held in the driver for the ledgers of one run)."""
+        tables = DeltaTables(self.wh)
+        ids = pa.array(sorted({ledger for _, ledger in ledgers}), pa.int64())
+        state = tables.dataset(BUFFER_LEDGER_TXNS, self.state_version).to_table(
+            columns=["topic", "ledger_id", *TXN_KEY[1:], "entry_count", "last_entry_id", "marker_count", "duplicate_count"],
+            filter=pc.field("ledger_id").isin(ids),
+        )
+        wanted = pa.table({"topic": [t for t, _ in ledgers], "ledger_id": pa.array([l for _, l in ledgers], pa.int64())})
+        state = state.join(wanted, keys=["topic", "ledger_id"], join_type="left semi")  # ledger ids repeat across topics
+        markers = tables.dataset(TXN_MARKERS, self.versions[TXN_MARKERS]).to_table(
+            columns=[*TXN_KEY, "outcome", "ledger_id", "entry_id"]
+        )
+        return state, markers
+
+
+def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables | None:
+    """The tables the state at `state_version` recorded, or None when its commit recorded none
+    (a release before this, or a later commit than the state read)."""
+    commit = DeltaTables(wh).last_rows_commit(BUFFER_LEDGER_TXNS) or {}
+    versions = {t: commit.get(recorded_version_key(t)) for t in RECORDED_TABLES}
+    # The commit read must be the state's (later commits than it only VACUUMed or OPTIMIZEd).
+    if None in versions.values() or commit.get("version") is None or commit["version"] > state_version:
+        return None
+    at = {t: int(v) for t, v in versions.items()}
+    return RecordedBufferTables(
+        wh, state_version, at,
+        committed=_pinned(wh, COMMITTED_ENTRIES, at[COMMITTED_ENTRIES]),
+        # A row per topic, by delta-rs: no Spark job.
+        stable_rows=DeltaTables(wh).dataset(STABLE_POSITIONS, at[STABLE_POSITIONS]).to_table().to_pylist(),
+    )
+
+
+def _facts_from_state(wh: Warehouse, entries: DataFrame, state_version: int) -> BufferFacts:
+    """The buffer's facts of the pinned log, folded from its state at `state_version`. Narrow frames, cached."""
+    # buffer_ledger_txns is pinned first: a buffer run writes it last, so a run in progress can only
+    # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
+    # duplicates in either version.
+    ledger_txns = _pinned(wh, BUFFER_LEDGER_TXNS, state_version).cache()
+    duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
+    txns = txns_from_ledger_txns(ledger_txns).cache()
+    ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+    return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
 
 
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
@@ -437,25 +501,26 @@ def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
 
 @dataclass
 class _Copy:
-    """What one run copies: the pinned log, its facts, the kept rows' source, the ledgers and their ranges."""
+    """What one run copies: the pinned log, the ledgers and their ranges, and what decides: the
+    recorded buffer tables, or else the facts (from the state or the log), classifying each row."""
 
     wh: Warehouse
     entries: DataFrame  # the pinned ledger_entries
-    facts: BufferFacts
-    committed: DataFrame | None  # committed_entries at the state's version, or None: classify the log
     targets: list[LedgerKey]
     ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
+    facts: BufferFacts | None
+    recorded: RecordedBufferTables | None
 
     def kept_rows(self) -> DataFrame:
-        if self.committed is not None:
+        if self.recorded is not None:
             # Eligible ledgers hold decided entries only: their committed_entries rows are the kept rows.
-            return _in_ledgers(self.committed, self.targets).select(*LEDGER_ENTRY_COLUMNS)
+            return _in_ledgers(self.recorded.committed, self.targets).select(*LEDGER_ENTRY_COLUMNS)
         classified = classify_for_offload(_in_ledgers(self.entries, self.targets), self._decided(), self.facts.duplicates)
         return classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
 
     def counts(self, tier_version: int) -> dict[LedgerKey, dict]:
         """Per ledger: the manifest's range, counts by reason, bytes and checksum."""
-        if self.committed is None:
+        if self.recorded is None:
             # The same rows again (same log version, same classification): what was written, counted.
             # Size and hash first, then only narrow rows go through the joins (no payload carried).
             sized = _in_ledgers(self.entries, self.targets).select(
@@ -467,8 +532,7 @@ class _Copy:
         # dropped side from the buffer's state, whose groups this log's ledgers are.
         tier = _in_ledgers(_pinned(self.wh, OFFLOADED_ENTRIES, tier_version), self.targets)
         kept = {(r["topic"], r["ledger_id"]): r.asDict() for r in kept_rows_summary(tier).collect()}
-        state = _in_ledgers(self.facts.by_ledger_txn, self.targets)
-        drops = {(r["topic"], r["ledger_id"]): r.asDict() for r in drops_from_state(state, self.facts.txns).collect()}
+        drops = {(r["topic"], r["ledger_id"]): r for r in drops_from_state(*self.recorded.state_of(self.targets)).to_pylist()}
         sizes = _entry_bytes(self.wh, self.entries, self.ranges, self.targets)
         counts = {}
         for key in self.targets:
