@@ -536,7 +536,10 @@ class _Copy:
         sizes = _entry_bytes(self.wh, self.entries, self.ranges, self.targets)
         counts = {}
         for key in self.targets:
-            drop, range_ = drops[key], self.ranges[key]
+            range_ = self.ranges[key]
+            drop = drops.get(key) or dict.fromkeys(
+                ("entries_before", "dropped_markers", "dropped_aborted", "dropped_duplicates", "kept_at_least", "kept_at_most"), 0
+            )
             kept_row = kept.get(key) or {"entries_kept": 0, "bytes_after": 0, "checksum": "0"}
             entries_kept = kept_row["entries_kept"]
             if not drop["kept_at_least"] <= entries_kept <= drop["kept_at_most"] or drop["entries_before"] != range_["entry_count"]:
