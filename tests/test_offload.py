@@ -8,15 +8,13 @@ import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
 from tests.rows import entry, write_jsonl
+from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
-from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
 from txn_engine.buffer_jobs import classify_entries, stable_from_facts
-from deltalake import DeltaTable
-
-from txn_engine.buffer_incremental import recorded_version_key
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (
     AFTER_ENTRIES,
