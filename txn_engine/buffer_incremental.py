@@ -107,11 +107,6 @@ LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
 # the run's own writes left. Read at those versions, the tables describe exactly the log this state
 # describes, whatever was written since (`DeltaTables.last_commit`; the offload reads them so).
 RECORDED_TABLES = (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)
-
-
-def recorded_version_key(table: str) -> str:
-    """The commit-metadata key under which a buffer run records `table`'s version."""
-    return f"txnlake.buffer.{table}_version"
 # The column that attributes a row to the ledger whose recomputation rewrites it.
 LEDGER_COLUMN = {
     TXN_MARKERS: "ledger_id",
@@ -241,6 +236,11 @@ def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) ->
 
 
 # -- the run -----------------------------------------------------------------------------------
+
+def recorded_version_key(table: str) -> str:
+    """The commit-metadata key under which a buffer run records `table`'s version (`RECORDED_TABLES`)."""
+    return f"txnlake.buffer.{table}_version"
+
 
 def ledger_ids_predicate(column: str, ledger_ids: Iterable[int]) -> str:
     ids = sorted(set(int(i) for i in ledger_ids))

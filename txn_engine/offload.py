@@ -56,6 +56,7 @@ re-runs and backfills leave the same rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
@@ -86,6 +87,7 @@ from txn_engine.buffer_jobs import (
     txns_from_ledger_txns,
 )
 from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
+from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges_catalog, record_ledger_states
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -104,7 +106,6 @@ from txn_engine.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
 )
-from txn_engine.errors import TxnlakeError
 from txn_engine.step_clock import StepClock
 from txn_engine.warehouse import Warehouse
 
@@ -132,6 +133,7 @@ LedgerKey = tuple[str, int]  # (topic, ledger_id)
 
 class OffloadStateError(TxnlakeError):
     """The buffer's tables disagree about a ledger being offloaded; its manifest row was not written."""
+
 
 # Up to this many decided transactions are broadcast to the offloaded rows (~100 bytes each in
 # the hash table: ~1.1 million at 10 million entries); beyond it Spark joins by shuffle.
@@ -515,7 +517,7 @@ class _Copy:
         if self.recorded is not None:
             # Eligible ledgers hold decided entries only: their committed_entries rows are the kept rows.
             return _in_ledgers(self.recorded.committed, self.targets).select(*LEDGER_ENTRY_COLUMNS)
-        classified = classify_for_offload(_in_ledgers(self.entries, self.targets), self._decided(), self.facts.duplicates)
+        classified = classify_for_offload(_in_ledgers(self.entries, self.targets), self._decided, self.facts.duplicates)
         return classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
 
     def counts(self, tier_version: int) -> dict[LedgerKey, dict]:
@@ -526,20 +528,20 @@ class _Copy:
             sized = _in_ledgers(self.entries, self.targets).select(
                 *NARROW_COLUMNS, entry_size_bytes().alias("_bytes"), row_hash().alias("_hash")
             )
-            narrow_classified = classify_for_offload(sized, self._decided(), self.facts.duplicates)
+            narrow_classified = classify_for_offload(sized, self._decided, self.facts.duplicates)
             return {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(narrow_classified).collect()}
         # The kept side from the rows written (read back from the tier version this run made), the
         # dropped side from the buffer's state, whose groups this log's ledgers are.
         tier = _in_ledgers(_pinned(self.wh, OFFLOADED_ENTRIES, tier_version), self.targets)
         kept = {(r["topic"], r["ledger_id"]): r.asDict() for r in kept_rows_summary(tier).collect()}
-        drops = {(r["topic"], r["ledger_id"]): r for r in drops_from_state(*self.recorded.state_of(self.targets)).to_pylist()}
+        dropped = drops_from_state(*self.recorded.state_of(self.targets))
+        drops = {(r["topic"], r["ledger_id"]): r for r in dropped.to_pylist()}
+        none_dropped = dict.fromkeys(dropped.column_names, 0)  # a ledger without state rows: refused below
         sizes = _entry_bytes(self.wh, self.entries, self.ranges, self.targets)
         counts = {}
         for key in self.targets:
             range_ = self.ranges[key]
-            drop = drops.get(key) or dict.fromkeys(
-                ("entries_before", "dropped_markers", "dropped_aborted", "dropped_duplicates", "kept_at_least", "kept_at_most"), 0
-            )
+            drop = drops.get(key, none_dropped)
             kept_row = kept.get(key) or {"entries_kept": 0, "bytes_after": 0, "checksum": "0"}
             entries_kept = kept_row["entries_kept"]
             if not drop["kept_at_least"] <= entries_kept <= drop["kept_at_most"] or drop["entries_before"] != range_["entry_count"]:
@@ -561,7 +563,9 @@ class _Copy:
             }
         return counts
 
+    @cached_property
     def _decided(self) -> DataFrame:
+        """The decided transactions, broadcast when few: once per run (the write and the counting pass share it)."""
         decided = self.facts.txns.where(F.col("outcome").isNotNull())
         return F.broadcast(decided) if decided.count() <= BROADCAST_TXNS_MAX else decided  # `txns` is cached: a cheap count
 
