@@ -62,6 +62,7 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
     extra = {
         "mode": "full" if refresh.full else "incremental",
         "written_by": refresh.written_by,
+        "computed_by": refresh.computed_by,
         "ledgers_recomputed": len(refresh.ledgers),
         "deleted_ledgers_dropped": MetadataValue.json(refresh.deleted_ledgers),
         "topics_recomputed_after_deletion": MetadataValue.json(refresh.recomputed_topics),

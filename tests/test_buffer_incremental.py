@@ -94,9 +94,13 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
         # The second run also asks for a ledger that did not change (a backfill of it).
         asked = data.draw(st.lists(st.sampled_from(sorted({x.ledger_id for x in chunks[0]})), max_size=2)) if n else []
         result = refresh(warehouse, ledgers=asked)
-        assert result.full == (n == 0)
+        assert (result.full, result.computed_by) == ((True, "spark") if n == 0 else (False, "arrow"))
         assert actual_rows(warehouse) == reference_rows(entries[:cut] if n == 0 else entries), \
             f"after chunk {n}: {[brief(h) for h in histories]}"
+    # The same scope again on Spark (the path of scopes too big for the driver): the same rows and counts.
+    on_spark = refresh(warehouse, ledgers=result.ledgers, driver_write_max_bytes=0)
+    assert (on_spark.computed_by, on_spark.ledgers, on_spark.violations) == ("spark", result.ledgers, result.violations)
+    assert actual_rows(warehouse) == reference_rows(entries), f"on Spark: {[brief(h) for h in histories]}"
     incremental = snapshot(warehouse)
     # A full recompute gives identical tables, and its violations are the reference's totals.
     result = refresh(warehouse, full=True)
@@ -118,10 +122,11 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
 
 # -- named scenarios ---------------------------------------------------------------------------
 
-# Small runs write through the driver (Arrow, delta-rs); big ones from Spark: both paths, same tables.
-@pytest.mark.parametrize("driver_write_max_bytes, written_by", [(1 << 20, "driver"), (0, "spark")])
+# Small incremental runs are computed in Arrow and written by delta-rs; big ones on Spark: both paths, same tables.
+@pytest.mark.parametrize("driver_write_max_bytes, written_by, computed_by", [(1 << 20, "driver", "arrow"),
+                                                                               (0, "spark", "spark")])
 def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse, driver_write_max_bytes,
-                                                                                written_by):
+                                                                                written_by, computed_by):
     # A transaction spanning ledgers 1 -> 3 (its data in 1 reaches committed_entries from the
     # pending state), a retried send in ledger 3 repeating ledger 1's sequence, a hanging
     # transaction released by ledger 3: the stable position moves and old rows become readable.
@@ -136,7 +141,8 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     assert before == {"a": (1, -1), "b": (2, 0)}
     append(warehouse, spark, later)
     result = refresh(warehouse, driver_write_max_bytes=driver_write_max_bytes)
-    assert (result.full, result.ledgers, result.written_by) == (False, [3, 4], written_by)  # ledgers 1 and 2 unchanged: not reread
+    # Ledgers 1 and 2 unchanged: not reread.
+    assert (result.full, result.ledgers, result.written_by, result.computed_by) == (False, [3, 4], written_by, computed_by)
     assert result.violations["duplicate"] == 1
     incremental = snapshot(warehouse)
     assert incremental == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
@@ -192,3 +198,19 @@ def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehou
     warehouse.overwrite(LEDGERS, derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES)))
     assert sorted(tuple(r)[:4] for r in ledger_inventory(warehouse).collect()) == [("t", 1, 2, 1), ("t", 2, 1, 0)]
     assert warehouse.exists(LEDGER_ENTRIES) and not warehouse.exists(BUFFER_LEDGER_TXNS)
+
+
+def test_a_stable_move_flips_rows_only_where_a_row_not_rewritten_can_lie():
+    from txn_engine.buffer_incremental import flip_may_match
+
+    ledgers = {1: 9, 3: 4, 5: 2}  # ledger -> last entry, per the catalog
+    # The topic had nothing ongoing (stable at its end); a new ledger 5 moves it: only ledger 5 lies between.
+    assert not flip_may_match((3, 4), (5, 1), ledgers, rewritten={5})
+    # Ledger 3 lies between and the run does not rewrite it.
+    assert flip_may_match((3, 2), (5, 1), ledgers, rewritten={5})
+    # A backfill of ledger 3: its rows may be visible in ledger 5, which stays.
+    assert flip_may_match((3, 2), (3, 4), ledgers, rewritten={3})
+    assert not flip_may_match((3, 2), (3, 4), ledgers, rewritten={3, 5})
+    # Backwards, and from no stored position (a new topic) alike.
+    assert flip_may_match((5, 1), (1, 3), ledgers, rewritten={5})
+    assert not flip_may_match(None, (5, 2), ledgers, rewritten={1, 3, 5})
