@@ -18,7 +18,7 @@ narrow steps and `take` full rows once at the end, so payloads never go through 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -345,21 +345,23 @@ def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
                    BUFFER_SEQUENCE_RANGES_SCHEMA)
 
 
-def txns_to_refold(kept_ledger_txns: pa.Table, scope_ledger_txns: pa.Table, stable_at: Mapping[str, int]) -> pa.Table:
-    """The rows of `kept_ledger_txns` whose transaction the run folds again; `buffer_incremental.txns_to_refold`.
+def txns_to_refold(unmarked: pa.Table, scope_ledger_txns: pa.Table, stable_at: Mapping[str, int]) -> pa.Table:
+    """(topic, txn) of the transactions the run folds again; `buffer_incremental.txns_to_refold`'s keys.
 
-    `stable_at`: topic -> the stored stable position's ledger.
+    `unmarked`: at least the kept `buffer_ledger_txns` rows with kept data and no marker at or
+    after their topic's stored stable ledger (`stable_at`: topic -> ledger), and every such row of
+    a topic without one; more rows are filtered out here.
     """
     touched = scope_ledger_txns.filter(has_txn(scope_ledger_txns)).select(TXN_KEY)
-    unmarked = kept_ledger_txns.filter(pc.and_(pc.and_(has_txn(kept_ledger_txns), pc.equal(kept_ledger_txns["marker_count"], 0)),
-                                               pc.is_valid(kept_ledger_txns["data_entry_id"])))
+    unmarked = unmarked.filter(pc.and_(pc.and_(has_txn(unmarked), pc.equal(unmarked["marker_count"], 0)),
+                                       pc.is_valid(unmarked["data_entry_id"])))
     if stable_at:
         since = pa.table({"topic": list(stable_at), "_sl": list(stable_at.values())}, schema=pa.schema(
             [("topic", pa.string()), ("_sl", pa.int64())]))
         unmarked = unmarked.join(since, "topic", join_type="left outer")
         unmarked = unmarked.filter(pc.or_(pc.is_null(unmarked["_sl"]), pc.greater_equal(unmarked["ledger_id"], unmarked["_sl"])))
-    keys = pa.concat_tables([touched, unmarked.select(TXN_KEY)], promote_options="default").group_by(TXN_KEY, use_threads=False).aggregate([])
-    return kept_ledger_txns.join(keys, TXN_KEY, join_type="left semi")
+    return pa.concat_tables([touched, unmarked.select(TXN_KEY)], promote_options="default").group_by(
+        TXN_KEY, use_threads=False).aggregate([])
 
 
 def scoped_violation_totals(narrow: pa.Table, duplicate: np.ndarray, duplicates: pa.Table, txns: pa.Table,
@@ -395,25 +397,42 @@ class ScopeTables:
     violations: dict[str, int]
 
 
-def scope_tables(entries: pa.Table, scope: set[int], earlier_ranges: pa.Table, kept_ledger_txns: pa.Table,
-                 pending: pa.Table, old_stable: Mapping[str, int], ledgers: Iterable[tuple[str, int, int]]) -> ScopeTables:
+StateReader = Callable[[str, pc.Expression], pa.Table]
+
+
+def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, old_stable: Mapping[str, int],
+                 ledgers: Iterable[tuple[str, int, int]]) -> ScopeTables:
     """The incremental run over `entries` (every entry of the scope's ledgers, full rows).
 
-    The state, without the rows of the ledgers the run replaces: `earlier_ranges`
-    (buffer_sequence_ranges), `kept_ledger_txns` (buffer_ledger_txns), `pending`
-    (buffer_pending_entries; only those of transactions committed in the scope are used);
-    `old_stable`: topic -> stored stable ledger; `ledgers`: (topic, ledger_id, last_entry_id) of
-    every ledger of the catalog.
+    `read_state(table, filter)`: the rows of a state table that match `filter` (a pyarrow
+    expression), without those of the ledgers the run replaces. Only the rows a run can use are
+    asked for, so the driver holds rows in proportion to the scope, not to the history: the
+    sequence ranges of the scope's producers, the `buffer_ledger_txns` rows of the transactions
+    the scope touches or that may be ongoing (`txns_to_refold` decides exactly among them), the
+    pending rows of the transactions the scope touches. `old_stable`: topic -> stored stable
+    ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog.
     """
     entries = conform(entries, LEDGER_ENTRIES_SCHEMA)
     narrow = with_row_index(entries.select(["topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits",
                                             "producer_id", "sequence_id"]))
+    sequenced_here = sequenced(narrow)
+    earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
+                                & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))
     duplicates = distinct_positions(duplicate_positions(narrow), duplicates_of_earlier_ledgers(narrow, earlier_ranges))
     duplicate = is_duplicate(narrow, duplicates)
     scope_ledger_txns = by_ledger_txn(narrow, duplicate)
-    folded = pa.concat_tables([scope_ledger_txns, conform(txns_to_refold(kept_ledger_txns, scope_ledger_txns, old_stable),
+    # Which transactions to refold, then every state row of theirs (a decided one's marker row is
+    # neither unmarked nor in the scope): two filtered reads, exact after the joins.
+    maybe_ongoing = ((pc.field("marker_count") == 0) & pc.field("data_entry_id").is_valid()
+                     & ((pc.field("ledger_id") >= min(old_stable.values(), default=0))
+                        | ~pc.field("topic").isin(pa.array(list(old_stable), pa.string()))))
+    refold = txns_to_refold(read_state(BUFFER_LEDGER_TXNS, maybe_ongoing), scope_ledger_txns, old_stable)
+    refolded = read_state(BUFFER_LEDGER_TXNS, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
+    folded = pa.concat_tables([scope_ledger_txns, conform(refolded.join(refold, TXN_KEY, join_type="left semi"),
                                                           BUFFER_LEDGER_TXNS_SCHEMA)])
     txns = txns_from_ledger_txns(folded)
+    # Only transactions with a marker in the scope can commit there: all are in `refold`.
+    pending = read_state(BUFFER_PENDING_ENTRIES, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
     stable = stable_positions(txns, ledgers)
     in_scope = lambda table, column: table.filter(pc.is_in(table[column], pa.array(sorted(scope), pa.int64())))  # noqa: E731
     committed = in_scope(committed_txns(txns), "visible_ledger_id")

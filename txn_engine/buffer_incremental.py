@@ -478,16 +478,12 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
     replaced = pa.array(sorted(plan.ledgers | plan.deleted), pa.int64())
     scope = pa.array(sorted(plan.ledgers), pa.int64())
     kept = ~pc.field("ledger_id").isin(replaced)
-    # Every read is filtered to what the run needs; the state tables' rows are narrow.
     # The bounds let the scan skip row groups by their statistics; isin alone would read them all.
     in_scope = ((pc.field("ledger_id") >= scope[0].as_py()) & (pc.field("ledger_id") <= scope[-1].as_py())
                 & pc.field("ledger_id").isin(scope)) if len(scope) else pc.scalar(False)
     entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=in_scope)
-    ranges = tables.dataset(BUFFER_SEQUENCE_RANGES).to_table(
-        filter=kept & pc.field("topic").isin(pc.unique(entries["topic"])))
-    ledger_txns = tables.dataset(BUFFER_LEDGER_TXNS).to_table(filter=kept)
-    pending = tables.dataset(BUFFER_PENDING_ENTRIES).to_table(filter=kept)
-    computed = buffer_arrow.scope_tables(entries, plan.ledgers, ranges, ledger_txns, pending,
+    computed = buffer_arrow.scope_tables(entries, plan.ledgers,
+                                         lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
                                          {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries)
     new_stable = lambda: [Row(**r) for r in computed.tables[STABLE_POSITIONS].to_pylist()]  # noqa: E731
     _write(wh, computed.tables, new_stable, old_stable, plan, after_write, True, flip_by_driver)
