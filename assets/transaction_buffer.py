@@ -27,6 +27,7 @@ from assets.metadata import table_metadata
 from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
+from txn_engine.buffer_checks import committed_once, markers_match, stable_moves_back
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.positions import ledger_id_of_partition
 from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
@@ -79,92 +80,51 @@ def _txn_key(prefix: str = ""):
 
 
 @asset_check(asset=STABLE_POSITIONS, description="The stable position of a topic never moves backwards.")
-def stable_position_never_moves_backwards(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
-    wh = warehouse.open(spark.session())
-    version = wh.version(STABLE_POSITIONS)
-    if not version:
+def stable_position_never_moves_backwards(warehouse: WarehouseResource) -> AssetCheckResult:
+    moves = stable_moves_back(warehouse.open())
+    if moves is None:
         return AssetCheckResult(passed=True, metadata={"compared_versions": "first version: nothing to compare"})
-    path = wh.path(STABLE_POSITIONS)
-    now = wh.spark.read.format("delta").load(path)
-    before = wh.spark.read.format("delta").option("versionAsOf", version - 1).load(path)
-    moved_back = (
-        now.alias("n")
-        .join(before.alias("b"), "topic")
-        .where(
-            (F.col("n.max_read_ledger_id") < F.col("b.max_read_ledger_id"))
-            | (
-                (F.col("n.max_read_ledger_id") == F.col("b.max_read_ledger_id"))
-                & (F.col("n.max_read_entry_id") < F.col("b.max_read_entry_id"))
-            )
-        )
-        .select("topic", "b.max_read_ledger_id", "b.max_read_entry_id", "n.max_read_ledger_id", "n.max_read_entry_id")
-        .collect()
-    )
     return AssetCheckResult(
-        passed=not moved_back,
-        metadata={
-            "compared_versions": f"{version - 1} -> {version}",
-            "topics_moved_back": MetadataValue.json([str(tuple(r)) for r in moved_back[:20]]),
-        },
+        passed=not moves.moved_back,
+        metadata={"compared_versions": moves.compared_versions,
+                  "topics_moved_back": MetadataValue.json(moves.moved_back[:20])},
     )
 
 
 @asset_check(
     asset=COMMITTED_ENTRIES,
-    description="committed_entries holds no entry of an aborted or ongoing transaction, and no duplicate.",
+    description="committed_entries holds no entry of an aborted or ongoing transaction, and no duplicate "
+    "(the rows the last buffer run wrote, against the rest; every row after a full run).",
 )
 def committed_entries_are_committed_once(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
-    wh = warehouse.open(spark.session())
-    committed = wh.read(COMMITTED_ENTRIES)
-    markers = wh.read(TXN_MARKERS)
-    txn_rows = committed.where(F.col("txn_most_bits").isNotNull())
-    commits = markers.where(F.col("outcome") == "COMMIT").select("topic", "txn_most_bits", "txn_least_bits")
-    not_committed = txn_rows.join(commits, ["topic", "txn_most_bits", "txn_least_bits"], "left_anti").count()
-    duplicate_positions = committed.groupBy("topic", "ledger_id", "entry_id").count().where("count > 1").count()
-    duplicate_sequences = (
-        committed.where(F.col("producer_id").isNotNull() & F.col("sequence_id").isNotNull())
-        .groupBy("topic", "producer_id", "sequence_id")
-        .count()
-        .where("count > 1")
-        .count()
-    )
-    markers_inside = committed.where(F.col("entry_type") != "DATA").count()
+    report = committed_once(warehouse.open(spark.session))
     return AssetCheckResult(
-        passed=not (not_committed or duplicate_positions or duplicate_sequences or markers_inside),
+        passed=report.passed,
         metadata={
-            "entries_of_uncommitted_txns": not_committed,
-            "duplicate_positions": duplicate_positions,
-            "duplicate_sequences": duplicate_sequences,
-            "markers": markers_inside,
+            "entries_of_uncommitted_txns": report.entries_of_uncommitted_txns,
+            "duplicate_positions": report.duplicate_positions,
+            "duplicate_sequences": report.duplicate_sequences,
+            "markers": report.markers,
+            "checked": report.checked,
         },
     )
 
 
 @asset_check(
     asset=TXN_MARKERS,
-    description="Every marker row matches a marker entry in ledger_entries, and a transaction has one outcome on all its topics.",
+    description="Every marker row matches a marker entry in ledger_entries, and a transaction has one outcome on all "
+    "its topics (the markers the last buffer run wrote; every marker after a full run).",
 )
 def markers_have_matching_outcomes(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
-    wh = warehouse.open(spark.session())
-    markers = wh.read(TXN_MARKERS)
-    entries = wh.read(LEDGER_ENTRIES).select(
-        "topic", "ledger_id", "entry_id", F.col("entry_type").alias("outcome"), "txn_most_bits", "txn_least_bits"
-    )
-    unmatched = markers.join(
-        entries, ["topic", "ledger_id", "entry_id", "outcome", "txn_most_bits", "txn_least_bits"], "left_anti"
-    ).count()
-    split = (
-        markers.groupBy("txn_most_bits", "txn_least_bits")
-        .agg(F.countDistinct("outcome").alias("outcomes"))
-        .where("outcomes > 1")
-    )
-    split_txns = [f"{r.txn_most_bits}:{r.txn_least_bits}" for r in split.limit(20).collect()]
+    report = markers_match(warehouse.open(spark.session))
     return AssetCheckResult(
-        passed=unmatched == 0 and not split_txns,
+        passed=report.markers_without_entry == 0 and not report.txns_with_split_outcome,
         # Unmatched rows mean the table is wrong; a split outcome is the input's fault (a broken
         # coordinator), worth an alarm but not a wrong table.
-        severity=AssetCheckSeverity.ERROR if unmatched else AssetCheckSeverity.WARN,
-        metadata={"markers_without_entry": unmatched, "txns_with_split_outcome": MetadataValue.json(split_txns)},
+        severity=AssetCheckSeverity.ERROR if report.markers_without_entry else AssetCheckSeverity.WARN,
+        metadata={"markers_without_entry": report.markers_without_entry,
+                  "txns_with_split_outcome": MetadataValue.json(report.txns_with_split_outcome),
+                  "checked": report.checked},
     )
 
 

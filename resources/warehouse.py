@@ -26,4 +26,6 @@ class WarehouseResource(ConfigurableResource):
         return WarehouseSettings(**overrides)
 
     def open(self, spark=None) -> Warehouse:
-        return Warehouse(spark or get_spark(), self.settings())
+        """The warehouse on `spark` (a session, or a factory such as `SparkResource.session`);
+        without one, on the process's session (`get_spark`), started when first needed."""
+        return Warehouse(spark or get_spark, self.settings())

@@ -52,6 +52,7 @@ after each table is written (tests inject crashes there).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, NamedTuple
 
@@ -255,6 +256,12 @@ def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) ->
 
 
 # -- the run -----------------------------------------------------------------------------------
+
+# Also in that commit: the JSON list of the ledgers the run rewrote (its scope and the deleted
+# ledgers), or ALL_LEDGERS for a full run; the asset checks read just those rows (`buffer_checks`).
+RUN_LEDGERS_KEY = "txnlake.buffer.ledgers"
+ALL_LEDGERS = "all"
+
 
 def recorded_version_key(table: str) -> str:
     """The commit-metadata key under which a buffer run records `table`'s version (`RECORDED_TABLES`)."""
@@ -523,6 +530,7 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table], new_stable: Callable[
     # older rows agrees with, so a run stopped before this line moves them next time.
     write(STABLE_POSITIONS, whole=True)
     recorded = {recorded_version_key(t): str(wh.version(t)) for t in RECORDED_TABLES}
+    recorded[RUN_LEDGERS_KEY] = ALL_LEDGERS if full else json.dumps(replaced)
     # State last, buffer_ledger_txns the very last: it records what is done.
     write(BUFFER_PENDING_ENTRIES)
     write(BUFFER_DUPLICATES)

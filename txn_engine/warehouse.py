@@ -50,9 +50,17 @@ T = TypeVar("T")
 class Warehouse:
     """The Delta tables under one warehouse root, read and written through one SparkSession."""
 
-    def __init__(self, spark: SparkSession, settings: WarehouseSettings | None = None):
-        self.spark = spark
+    def __init__(self, spark: SparkSession | Callable[[], SparkSession], settings: WarehouseSettings | None = None):
+        self._spark = spark
         self.settings = settings or WarehouseSettings()
+
+    @property
+    def spark(self) -> SparkSession:
+        """The session; given a factory (`SparkResource.session`), started on first use, so work
+        done by delta-rs alone (an incremental buffer run's checks) starts no JVM."""
+        if callable(self._spark):
+            self._spark = self._spark()
+        return self._spark
 
     def path(self, table: str) -> str:
         """Where `table` lives: the cold tier for the offload tables, the warehouse root otherwise."""
@@ -61,7 +69,8 @@ class Warehouse:
         return self.settings.table_path(table)
 
     def exists(self, table: str, path: str | None = None) -> bool:
-        return DeltaTable.isDeltaTable(self.spark, path or self.path(table))
+        # From the log through delta-rs: Spark's isDeltaTable loads Delta's JVM classes (4 s cold).
+        return deltalake.DeltaTable.is_deltatable(path or self.path(table))
 
     def missing(self, table: str, path: str | None = None) -> TableMissingError:
         """The error for reading `table` before it exists: where it was looked for, and what makes it."""

@@ -1,0 +1,85 @@
+"""The buffer's asset checks (`txn_engine.buffer_checks`): whole tables after a full run, the last
+run's rows (against the rest) after an incremental one, and each catches what it guards against."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from tests.test_buffer_incremental import T1, T2, T3, append, e, refresh
+from txn_engine.buffer_checks import committed_once, last_run_ledgers, markers_match, stable_moves_back
+from txn_engine.delta_io import DeltaTables
+from txn_engine.schema import COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, TXN_MARKERS, TXN_MARKERS_SCHEMA
+
+FIRST = [e(1, 0, txn=T1, producer=1, seq=0), e(1, 1, txn=T2), e(1, 2, producer=1, seq=1), e(2, 0, topic="b"),
+         e(2, 1, txn=T3, topic="b")]
+LATER = [e(3, 0, txn=T1, producer=1, seq=2), e(3, 1, "COMMIT", T1), e(3, 2, "ABORT", T2), e(3, 3, producer=1, seq=3),
+         e(4, 0, topic="b")]
+
+
+def rows_of(wh, table: str, **equal) -> pa.Table:
+    data = DeltaTables(wh).dataset(table).to_table()
+    for column, value in equal.items():
+        data = data.filter(pc.equal(data[column], value))
+    return data
+
+
+def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_an_incremental_one(spark, warehouse):
+    append(warehouse, spark, FIRST)
+    assert refresh(warehouse).full
+    assert last_run_ledgers(warehouse) is None
+    whole = committed_once(warehouse)
+    assert (whole.passed, whole.checked) == (True, "whole table")
+    assert markers_match(warehouse).markers_without_entry == 0
+    assert stable_moves_back(warehouse) is None  # the first version: nothing to compare
+
+    append(warehouse, spark, LATER)
+    assert refresh(warehouse).ledgers == [3, 4]
+    assert last_run_ledgers(warehouse) == [3, 4]
+    scoped = committed_once(warehouse)
+    assert scoped.passed and scoped.checked.startswith("rows of the 2 ledger(s) the last run rewrote: 3, 4")
+    markers = markers_match(warehouse)
+    assert (markers.markers_without_entry, markers.txns_with_split_outcome) == (0, [])
+    assert "3, 4" in markers.checked
+    assert stable_moves_back(warehouse).moved_back == []
+
+    tables = DeltaTables(warehouse)
+    # Corruption in the run's ledgers: an old row again (visible in ledger 3: its position and its
+    # sequence repeat a row of ledger 1 that the run did not rewrite), a row of the aborted T2, a marker.
+    old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
+    again = old_row.set_column(old_row.schema.get_field_index("visible_ledger_id"), "visible_ledger_id", pa.array([3], pa.int64()))
+    aborted = again.set_column(again.schema.get_field_index("txn_most_bits"), "txn_most_bits", pa.array([T2[0]], pa.int64()))
+    aborted = aborted.set_column(aborted.schema.get_field_index("txn_least_bits"), "txn_least_bits", pa.array([T2[1]], pa.int64()))
+    aborted = aborted.set_column(aborted.schema.get_field_index("entry_id"), "entry_id", pa.array([9], pa.int64()))
+    aborted = aborted.set_column(aborted.schema.get_field_index("sequence_id"), "sequence_id", pa.array([None], pa.int64()))
+    marker = aborted.set_column(aborted.schema.get_field_index("entry_type"), "entry_type", pa.array(["COMMIT"]))
+    marker = marker.set_column(marker.schema.get_field_index("txn_least_bits"), "txn_least_bits", pa.array([T1[1]], pa.int64()))
+    marker = marker.set_column(marker.schema.get_field_index("entry_id"), "entry_id", pa.array([10], pa.int64()))
+    tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
+    broken = committed_once(warehouse)
+    assert not broken.passed
+    assert (broken.duplicate_positions, broken.duplicate_sequences, broken.entries_of_uncommitted_txns, broken.markers) == \
+        (1, 1, 1, 1)
+
+    # A marker row in the run's ledgers that no entry of ledger_entries backs, and a second outcome for T1.
+    fake = rows_of(warehouse, TXN_MARKERS, txn_least_bits=T1[1])
+    fake = fake.set_column(fake.schema.get_field_index("outcome"), "outcome", pa.array(["ABORT"]))
+    fake = fake.set_column(fake.schema.get_field_index("topic"), "topic", pa.array(["b"]))
+    fake = fake.set_column(fake.schema.get_field_index("ledger_id"), "ledger_id", pa.array([4], pa.int64()))
+    tables.append(TXN_MARKERS, TXN_MARKERS_SCHEMA, fake)
+    assert markers_match(warehouse).markers_without_entry == 1
+    assert markers_match(warehouse).txns_with_split_outcome == [f"{T1[0]}:{T1[1]}"]
+
+
+def test_the_stable_position_check_compares_the_last_two_versions(spark, warehouse):
+    append(warehouse, spark, FIRST)
+    refresh(warehouse)
+    stable = DeltaTables(warehouse).dataset("stable_positions").to_table()
+    # A later version that moves topic t back to before its first entry.
+    moved = stable.set_column(stable.schema.get_field_index("max_read_entry_id"), "max_read_entry_id",
+                              pc.if_else(pc.equal(stable["topic"], "t"), -5, stable["max_read_entry_id"]))
+    from txn_engine.schema import STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA
+
+    DeltaTables(warehouse).overwrite(STABLE_POSITIONS, moved, STABLE_POSITIONS_SCHEMA)
+    moves = stable_moves_back(warehouse)
+    assert len(moves.moved_back) == 1 and moves.moved_back[0].startswith("('t', 1,")
