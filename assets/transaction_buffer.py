@@ -21,7 +21,7 @@ from dagster import (
     asset_check,
     multi_asset,
 )
-from pyspark.sql import functions as F
+import pyarrow.compute as pc
 
 from assets.metadata import table_metadata
 from pipelines.partitions import LEDGER_PARTITIONS
@@ -29,8 +29,17 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_checks import committed_once, markers_match, stable_moves_back
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.delta_io import DeltaTables
 from txn_engine.positions import ledger_id_of_partition
-from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    LEDGERS,
+    STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
+    TXN_MARKERS,
+)
 
 GROUP = "transaction_buffer"
 
@@ -49,7 +58,8 @@ DESCRIPTIONS = {
     backfill_policy=BackfillPolicy.single_run(),
 )
 def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
-    wh = warehouse.open(spark.session())
+    # Started only if the run needs Spark: an incremental run small enough for the driver does not.
+    wh = warehouse.open(spark.session)
     keys = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     first, last = context.partition_key_range.start, context.partition_key_range.end
     in_range = [k for k in keys if first <= k <= last]  # zero-padded: string order is ledger order
@@ -58,8 +68,7 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
         wh, ledger_inventory(wh), ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition
     )
     context.log.info(f"transaction buffer: {refresh.summary()}; protocol violations there: {refresh.violations}")
-    stable = wh.read(STABLE_POSITIONS)
-    lag = stable.agg(F.count("*").alias("topics"), F.sum("ongoing_txn_count").alias("ongoing")).first()
+    ongoing = DeltaTables(wh).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["ongoing_txn_count"])["ongoing_txn_count"]
     extra = {
         "mode": "full" if refresh.full else "incremental",
         "written_by": refresh.written_by,
@@ -68,15 +77,11 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
         "deleted_ledgers_dropped": MetadataValue.json(refresh.deleted_ledgers),
         "topics_recomputed_after_deletion": MetadataValue.json(refresh.recomputed_topics),
         "violations": MetadataValue.json(dict(refresh.violations)),
-        "topics": lag["topics"],
-        "ongoing_txns": int(lag["ongoing"] or 0),
+        "topics": len(ongoing),
+        "ongoing_txns": int(pc.sum(ongoing).as_py() or 0),
     }
     for table in DESCRIPTIONS:
         yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
-
-
-def _txn_key(prefix: str = ""):
-    return [F.col(f"{prefix}topic"), F.col(f"{prefix}txn_most_bits"), F.col(f"{prefix}txn_least_bits")]
 
 
 @asset_check(asset=STABLE_POSITIONS, description="The stable position of a topic never moves backwards.")

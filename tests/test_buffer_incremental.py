@@ -194,9 +194,9 @@ def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehou
 
     append(warehouse, spark, [e(1, 0), e(1, 1), e(2, 0)])
     record_ledger_states(warehouse, [("t", 1, "DELETED", "retention")])
-    assert sorted(tuple(r)[:4] for r in ledger_inventory(warehouse).collect()) == [("t", 2, 1, 0)]
+    assert sorted(tuple(r.values())[:4] for r in ledger_inventory(warehouse).to_pylist()) == [("t", 2, 1, 0)]
     warehouse.overwrite(LEDGERS, derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES)))
-    assert sorted(tuple(r)[:4] for r in ledger_inventory(warehouse).collect()) == [("t", 1, 2, 1), ("t", 2, 1, 0)]
+    assert sorted(tuple(r.values())[:4] for r in ledger_inventory(warehouse).to_pylist()) == [("t", 1, 2, 1), ("t", 2, 1, 0)]
     assert warehouse.exists(LEDGER_ENTRIES) and not warehouse.exists(BUFFER_LEDGER_TXNS)
 
 

@@ -101,6 +101,7 @@ from txn_engine.schema import (
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGERS,
+    LEDGERS_SCHEMA,
     POSITION_COLUMNS,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
@@ -273,14 +274,26 @@ def ledger_ids_predicate(column: str, ledger_ids: Iterable[int]) -> str:
     return f"{column} IN ({', '.join(map(str, ids))})" if ids else "false"
 
 
-def ledger_inventory(wh: Warehouse) -> DataFrame:
+def ledger_inventory(wh: Warehouse) -> pa.Table:
     """(topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger, from the `ledgers` catalog.
 
-    The catalog is what the sensor and `txnlake run` refresh before the buffer runs; without one
-    it is derived here. DELETED ledgers are gone: retention deletes their rows.
+    The catalog is what the sensor and `txnlake run` refresh before the buffer runs: a row per
+    ledger, read by delta-rs (no Spark job). Without one it is derived here, on Spark. DELETED
+    ledgers are gone: retention deletes their rows.
     """
-    catalog = wh.read(LEDGERS) if wh.exists(LEDGERS) else derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))
-    return inventory_of(catalog)
+    if wh.exists(LEDGERS):
+        catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state", "entry_count",
+                                                                 "last_entry_id", "size_bytes"])
+        listed = pc.and_(pc.not_equal(catalog["state"], "DELETED"), pc.greater(catalog["entry_count"], 0))
+        return catalog.filter(listed).drop_columns(["state"])
+    return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))).toArrow()
+
+
+def inventory_rows(inventory: DataFrame | pa.Table) -> list[Row]:
+    """The rows of an inventory, from Arrow (`ledger_inventory`) or a DataFrame (`inventory_of`)."""
+    if isinstance(inventory, pa.Table):
+        return [Row(**r) for r in inventory.to_pylist()]
+    return inventory.collect()
 
 
 def inventory_of(catalog: DataFrame) -> DataFrame:
@@ -336,14 +349,14 @@ def state_ledger_counts(ledger_txns: DataFrame | pa.Table) -> LedgerCounts:
     return {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in folded.collect()}
 
 
-def plan_scope(inventory: DataFrame, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:
+def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:
     """The ledgers to recompute, the deleted ledgers and the topics recomputed whole, from the catalog and the state.
 
     `inventory`: (topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger
     `ledger_entries` holds, collected once (a row per ledger); `known`: what the state says
     (`state_ledger_counts`).
     """
-    rows = inventory.collect()
+    rows = inventory_rows(inventory)
     now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in rows}
     changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
     gone = [key for key in known if key not in now]
@@ -352,7 +365,8 @@ def plan_scope(inventory: DataFrame, known: LedgerCounts, requested: Iterable[in
     wanted = set(int(i) for i in requested) & {ledger for _, ledger in now}
     whole_topics = {ledger for topic, ledger in now if topic in topics}
     scope = wanted | changed | whole_topics
-    sized = "size_bytes" in inventory.columns  # the offloader plans without it (it reads no payload)
+    # The offloader plans without it (it reads no payload).
+    sized = "size_bytes" in (inventory.column_names if isinstance(inventory, pa.Table) else inventory.columns)
     return ScopePlan(scope, deleted, topics, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0,
                      sum(r.size_bytes for r in rows) if sized else 0, [(r.topic, r.ledger_id, r.last_entry_id) for r in rows])
 
@@ -381,7 +395,7 @@ def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, st
 
 def refresh_buffer(
     wh: Warehouse,
-    inventory: DataFrame,
+    inventory: DataFrame | pa.Table,
     ledgers: Iterable[int] = (),
     full: bool = False,
     after_write: Callable[[str], None] | None = None,
@@ -390,16 +404,18 @@ def refresh_buffer(
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
     `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id, size_bytes)
-    per ledger that `ledger_entries` holds (the `ledgers` table without its DELETED rows). An
-    incremental run over at most `driver_write_max_bytes` of entries is computed in Arrow and
-    written through the driver (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`); others on Spark.
+    per ledger that `ledger_entries` holds (`ledger_inventory`: the `ledgers` table without its
+    DELETED rows, as Arrow; or a DataFrame). An incremental run over at most
+    `driver_write_max_bytes` of entries is computed in Arrow and written through the driver
+    (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`): with an Arrow inventory it starts no Spark job.
+    Others run on Spark.
     """
-    entries_all = wh.read(LEDGER_ENTRIES)
-    require_ledger_entries(entries_all)
     full = full or not _has_state(wh)
     if full:
-        size_bytes = log_bytes = inventory.agg(F.sum("size_bytes")).first()[0] or 0
-        return _refresh_on_spark(wh, entries_all, None, None, ScopePlan(set(), set(), set(), size_bytes, log_bytes, []),
+        entries_all = wh.read(LEDGER_ENTRIES)
+        require_ledger_entries(entries_all)
+        plan = plan_scope(inventory, {}, ())
+        return _refresh_on_spark(wh, entries_all, None, None, plan._replace(ledgers=set(), size_bytes=plan.log_bytes),
                                  after_write, driver_write_max_bytes)
     # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
     # read by delta-rs, without the Spark jobs of a Delta scan.
@@ -411,6 +427,8 @@ def refresh_buffer(
         return BufferRefresh(full=False, ledgers=[])
     if plan.size_bytes <= driver_write_max_bytes:
         return _refresh_in_driver(wh, tables, old_stable, plan, after_write, plan.log_bytes <= driver_write_max_bytes)
+    entries_all = wh.read(LEDGER_ENTRIES)
+    require_ledger_entries(entries_all)
     replaced = sorted(plan.ledgers | plan.deleted)
     # Small (the scope's entries) and read by every table: scanned from Delta once.
     entries = entries_all.filter(F.col("ledger_id").isin(sorted(plan.ledgers))).cache()
@@ -489,6 +507,7 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
     in_scope = ((pc.field("ledger_id") >= scope[0].as_py()) & (pc.field("ledger_id") <= scope[-1].as_py())
                 & pc.field("ledger_id").isin(scope)) if len(scope) else pc.scalar(False)
     entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=in_scope)
+    require_ledger_entries(entries)
     computed = buffer_arrow.scope_tables(entries, plan.ledgers,
                                          lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
                                          {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries)

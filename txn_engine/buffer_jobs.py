@@ -45,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import pyarrow as pa
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
@@ -103,8 +104,9 @@ def conform(frame: DataFrame, schema: StructType) -> DataFrame:
     return frame.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields])
 
 
-def require_ledger_entries(entries: DataFrame) -> None:
-    missing = [c for c in LEDGER_ENTRY_COLUMNS if c not in entries.columns]
+def require_ledger_entries(entries: DataFrame | pa.Table) -> None:
+    names = entries.column_names if isinstance(entries, pa.Table) else entries.columns
+    missing = [c for c in LEDGER_ENTRY_COLUMNS if c not in names]
     if missing:
         raise TxnlakeError(
             f"the transaction buffer jobs need the ledger_entries columns; missing: {', '.join(missing)}. "
