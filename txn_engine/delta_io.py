@@ -76,7 +76,8 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 
 # A write of at most this many bytes goes through the driver (collected as Arrow, committed by
 # delta-rs): a Spark Delta write or DELETE costs 5-8 Spark jobs however small the table, which made
-# small runs mostly fixed cost. Bigger ones stay on Spark. Measured in entry bytes, the catalog's
+# small runs mostly fixed cost. Bigger ones stay on Spark. An incremental buffer run this small is
+# also computed in the driver (`buffer_arrow`: no Spark job at all). Measured in entry bytes, the catalog's
 # `size_bytes` (the buffer: its scope's; the in_stable_prefix flip and retention: the whole log's),
 # never in Parquet file bytes: a 10M-entry log is 180 MB of files and ~2 GB of rows.
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
