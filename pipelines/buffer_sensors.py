@@ -25,8 +25,9 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_incremental import closed_ledger_ids
+from txn_engine.delta_io import DeltaTables
 from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import LEDGERS
+from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
 from txn_engine.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
@@ -48,13 +49,15 @@ def new_closed_ledger_keys(wh: Warehouse, instance: DagsterInstance) -> list[str
     if not wh.exists(LEDGERS):
         return []
     known = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    return [k for k in map(ledger_partition_key, closed_ledger_ids(wh.read(LEDGERS))) if k not in known]
+    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
+    return [k for k in map(ledger_partition_key, closed_ledger_ids(catalog)) if k not in known]
 
 
 @sensor(job=transaction_buffer_job, minimum_interval_seconds=60,
         description="Adds the partition keys of newly closed ledgers and runs the transaction buffer over them.")
 def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
-    wh = warehouse.open(spark.session())
+    # The catalog is read by delta-rs: a tick starts no JVM in the sensor's process.
+    wh = warehouse.open(spark.session)
     new = new_closed_ledger_keys(wh, context.instance)
     if not new:
         return SkipReason("no newly closed ledger in the `ledgers` catalog")

@@ -624,8 +624,9 @@ def flip_may_match(old: tuple[int, int] | None, new: tuple[int, int], ledgers: M
     return bool(between) and any(ledger not in rewritten for ledger in ledgers if ledger >= min(between))
 
 
-def closed_ledger_ids(catalog: DataFrame) -> list[int]:
-    """Ledgers of the `ledgers` catalog that are closed: CLOSED or OFFLOADED (the catalog already
-    marks CLOSED every ledger that is not its topic's last, and applies recorded states)."""
-    closed = catalog.filter(F.col("state").isin("CLOSED", "OFFLOADED")).select("ledger_id").distinct()
-    return sorted(r.ledger_id for r in closed.collect())
+def closed_ledger_ids(catalog: pa.Table) -> list[int]:
+    """Ledgers of the `ledgers` catalog (its `ledger_id` and `state`, as Arrow: the sensor reads it
+    by delta-rs, without a JVM) that are closed: CLOSED or OFFLOADED (the catalog already marks
+    CLOSED every ledger that is not its topic's last, and applies recorded states)."""
+    closed = catalog.filter(pc.is_in(catalog["state"], pa.array(["CLOSED", "OFFLOADED"])))["ledger_id"]
+    return sorted(pc.unique(closed).to_pylist())
