@@ -9,7 +9,14 @@ import pyarrow.compute as pc
 from tests.test_buffer_incremental import T1, T2, T3, append, e, refresh
 from txn_engine.buffer_checks import committed_once, last_run_ledgers, markers_match, stable_moves_back
 from txn_engine.delta_io import DeltaTables
-from txn_engine.schema import COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, TXN_MARKERS, TXN_MARKERS_SCHEMA
+from txn_engine.schema import (
+    COMMITTED_ENTRIES,
+    COMMITTED_ENTRIES_SCHEMA,
+    STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
+    TXN_MARKERS,
+    TXN_MARKERS_SCHEMA,
+)
 
 FIRST = [e(1, 0, txn=T1, producer=1, seq=0), e(1, 1, txn=T2), e(1, 2, producer=1, seq=1), e(2, 0, topic="b"),
          e(2, 1, txn=T3, topic="b")]
@@ -22,6 +29,14 @@ def rows_of(wh, table: str, **equal) -> pa.Table:
     for column, value in equal.items():
         data = data.filter(pc.equal(data[column], value))
     return data
+
+
+def with_values(row: pa.Table, **values) -> pa.Table:
+    """A one-row table with some columns set (each keeps its type)."""
+    for column, value in values.items():
+        index = row.schema.get_field_index(column)
+        row = row.set_column(index, column, pa.array([value], row.schema.field(index).type))
+    return row
 
 
 def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_an_incremental_one(spark, warehouse):
@@ -47,14 +62,9 @@ def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_a
     # Corruption in the run's ledgers: an old row again (visible in ledger 3: its position and its
     # sequence repeat a row of ledger 1 that the run did not rewrite), a row of the aborted T2, a marker.
     old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
-    again = old_row.set_column(old_row.schema.get_field_index("visible_ledger_id"), "visible_ledger_id", pa.array([3], pa.int64()))
-    aborted = again.set_column(again.schema.get_field_index("txn_most_bits"), "txn_most_bits", pa.array([T2[0]], pa.int64()))
-    aborted = aborted.set_column(aborted.schema.get_field_index("txn_least_bits"), "txn_least_bits", pa.array([T2[1]], pa.int64()))
-    aborted = aborted.set_column(aborted.schema.get_field_index("entry_id"), "entry_id", pa.array([9], pa.int64()))
-    aborted = aborted.set_column(aborted.schema.get_field_index("sequence_id"), "sequence_id", pa.array([None], pa.int64()))
-    marker = aborted.set_column(aborted.schema.get_field_index("entry_type"), "entry_type", pa.array(["COMMIT"]))
-    marker = marker.set_column(marker.schema.get_field_index("txn_least_bits"), "txn_least_bits", pa.array([T1[1]], pa.int64()))
-    marker = marker.set_column(marker.schema.get_field_index("entry_id"), "entry_id", pa.array([10], pa.int64()))
+    again = with_values(old_row, visible_ledger_id=3)
+    aborted = with_values(again, txn_most_bits=T2[0], txn_least_bits=T2[1], entry_id=9, sequence_id=None)
+    marker = with_values(aborted, entry_type="COMMIT", txn_least_bits=T1[1], entry_id=10)
     tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
     broken = committed_once(warehouse)
     assert not broken.passed
@@ -62,10 +72,7 @@ def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_a
         (1, 1, 1, 1)
 
     # A marker row in the run's ledgers that no entry of ledger_entries backs, and a second outcome for T1.
-    fake = rows_of(warehouse, TXN_MARKERS, txn_least_bits=T1[1])
-    fake = fake.set_column(fake.schema.get_field_index("outcome"), "outcome", pa.array(["ABORT"]))
-    fake = fake.set_column(fake.schema.get_field_index("topic"), "topic", pa.array(["b"]))
-    fake = fake.set_column(fake.schema.get_field_index("ledger_id"), "ledger_id", pa.array([4], pa.int64()))
+    fake = with_values(rows_of(warehouse, TXN_MARKERS, txn_least_bits=T1[1]), outcome="ABORT", topic="b", ledger_id=4)
     tables.append(TXN_MARKERS, TXN_MARKERS_SCHEMA, fake)
     assert markers_match(warehouse).markers_without_entry == 1
     assert markers_match(warehouse).txns_with_split_outcome == [f"{T1[0]}:{T1[1]}"]
@@ -74,12 +81,10 @@ def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_a
 def test_the_stable_position_check_compares_the_last_two_versions(spark, warehouse):
     append(warehouse, spark, FIRST)
     refresh(warehouse)
-    stable = DeltaTables(warehouse).dataset("stable_positions").to_table()
+    stable = DeltaTables(warehouse).dataset(STABLE_POSITIONS).to_table()
     # A later version that moves topic t back to before its first entry.
     moved = stable.set_column(stable.schema.get_field_index("max_read_entry_id"), "max_read_entry_id",
                               pc.if_else(pc.equal(stable["topic"], "t"), -5, stable["max_read_entry_id"]))
-    from txn_engine.schema import STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA
-
     DeltaTables(warehouse).overwrite(STABLE_POSITIONS, moved, STABLE_POSITIONS_SCHEMA)
     moves = stable_moves_back(warehouse)
     assert len(moves.moved_back) == 1 and moves.moved_back[0].startswith("('t', 1,")

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from txn_engine import buffer_jobs
 from txn_engine.delta_io import arrow_schema
 from txn_engine.positions import Position, position_before
 from txn_engine.schema import (
@@ -47,8 +48,9 @@ from txn_engine.schema import (
 )
 from txn_engine.transaction_buffer import EntryType, Violation
 
-TXN_KEY = ["topic", "txn_most_bits", "txn_least_bits"]
-SEQUENCE_KEY = ["topic", "producer_id", "sequence_id"]
+# The Spark functions' keys, as the lists pyarrow takes.
+TXN_KEY = list(buffer_jobs.TXN_KEY)
+SEQUENCE_KEY = list(buffer_jobs.SEQUENCE_KEY)
 POSITIONS = list(POSITION_COLUMNS)
 _NULL_LONG = pa.scalar(None, pa.int64())
 
@@ -321,13 +323,26 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
 _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id", "local_seq"]
 
 
+def kept_txn_data(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
+    """The transactional DATA rows of `narrow` that are not duplicates (`duplicate` is by `_row`)."""
+    return narrow.filter(pc.and_(pc.and_(is_data(narrow), has_txn(narrow)), pa.array(~duplicate[narrow["_row"].to_numpy()])))
+
+
+def ledger_filter(ledger_ids: pa.Array | pa.ChunkedArray) -> pc.Expression:
+    """A scan filter for rows of these ledgers; the bounds let the scan skip row groups by their
+    statistics, where `isin` alone reads them all."""
+    if len(ledger_ids) == 0:
+        return pc.scalar(False)
+    return ((pc.field("ledger_id") >= pc.min(ledger_ids).as_py()) & (pc.field("ledger_id") <= pc.max(ledger_ids).as_py())
+            & pc.field("ledger_id").isin(pc.unique(ledger_ids)))
+
+
 def pending_entries(entries: pa.Table, narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Table) -> pa.Table:
     """Kept transactional DATA rows whose transaction has no marker in their own ledger."""
     unmarked = ledger_txns.filter(pc.and_(pc.and_(has_txn(ledger_txns), pc.equal(ledger_txns["marker_count"], 0)),
                                           pc.is_valid(ledger_txns["data_entry_id"])))
     keys = ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"]
-    kept = narrow.filter(pc.and_(pc.and_(is_data(narrow), has_txn(narrow)), pa.array(~duplicate[narrow["_row"].to_numpy()])))
-    rows = kept.select(keys + ["_row"]).join(unmarked.select(keys), keys, join_type="left semi")
+    rows = kept_txn_data(narrow, duplicate).select(keys + ["_row"]).join(unmarked.select(keys), keys, join_type="left semi")
     return conform(entries.take(rows["_row"]), LEDGER_ENTRIES_SCHEMA)
 
 
@@ -374,8 +389,7 @@ def scoped_violation_totals(narrow: pa.Table, duplicate: np.ndarray, duplicates:
     data_before = pc.fill_null(pc.and_(pc.is_valid(markers["first_data_ledger_id"]), position_lt(
         markers["first_data_ledger_id"], markers["first_data_entry_id"], markers["marker_ledger_id"], markers["marker_entry_id"])),
         False)
-    kept = narrow.filter(pc.and_(pc.and_(is_data(narrow), has_txn(narrow)), pa.array(~duplicate[narrow["_row"].to_numpy()])))
-    late = kept.select(TXN_KEY + ["ledger_id", "entry_id"]).join(
+    late = kept_txn_data(narrow, duplicate).select(TXN_KEY + ["ledger_id", "entry_id"]).join(
         facts.filter(pc.is_valid(facts["marker_ledger_id"])), TXN_KEY, join_type="inner")
     late = late.filter(position_lt(late["marker_ledger_id"], late["marker_entry_id"], late["ledger_id"], late["entry_id"]))
     return {
@@ -413,8 +427,7 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
     ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog.
     """
     entries = conform(entries, LEDGER_ENTRIES_SCHEMA)
-    narrow = with_row_index(entries.select(["topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits",
-                                            "producer_id", "sequence_id"]))
+    narrow = with_row_index(entries.select(list(buffer_jobs.NARROW_COLUMNS)))
     sequenced_here = sequenced(narrow)
     earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
                                 & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))

@@ -25,15 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
+from txn_engine.buffer_arrow import POSITIONS, SEQUENCE_KEY, TXN_KEY, ledger_filter
 from txn_engine.buffer_incremental import ALL_LEDGERS, RUN_LEDGERS_KEY
 from txn_engine.delta_io import DeltaTables
 from txn_engine.schema import BUFFER_LEDGER_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.transaction_buffer import EntryType
 from txn_engine.warehouse import Warehouse
 
-TXN_KEY = ["topic", "txn_most_bits", "txn_least_bits"]
-POSITION = ["topic", "ledger_id", "entry_id"]
-SEQUENCE = ["topic", "producer_id", "sequence_id"]
 
 
 def last_run_ledgers(wh: Warehouse) -> list[int] | None:
@@ -93,20 +91,20 @@ def committed_once(wh: Warehouse) -> CommittedOnce:
     tables = DeltaTables(wh)
     committed = tables.dataset(COMMITTED_ENTRIES)
     rows = committed.to_table(filter=_isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
-                              columns=POSITION + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id"])
+                              columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id"])
     txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
     commits = tables.dataset(TXN_MARKERS).to_table(
         filter=(pc.field("outcome") == EntryType.COMMIT.value) & _isin("txn_least_bits", txn_rows["txn_least_bits"]),
         columns=TXN_KEY)
     # The keys that span ledgers: every row of the table that shares one with the run's rows.
-    positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITION)
+    positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
     sequenced = rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"])))
     sequences = committed.to_table(filter=_isin("producer_id", sequenced["producer_id"]) & pc.field("sequence_id").is_valid(),
-                                   columns=SEQUENCE)
+                                   columns=SEQUENCE_KEY)
     return CommittedOnce(
         entries_of_uncommitted_txns=txn_rows.select(TXN_KEY).join(commits, TXN_KEY, join_type="left anti").num_rows,
-        duplicate_positions=_repeated(positions, POSITION).join(rows.select(POSITION), POSITION, join_type="left semi").num_rows,
-        duplicate_sequences=_repeated(sequences, SEQUENCE).join(sequenced.select(SEQUENCE), SEQUENCE,
+        duplicate_positions=_repeated(positions, POSITIONS).join(rows.select(POSITIONS), POSITIONS, join_type="left semi").num_rows,
+        duplicate_sequences=_repeated(sequences, SEQUENCE_KEY).join(sequenced.select(SEQUENCE_KEY), SEQUENCE_KEY,
                                                                 join_type="left semi").num_rows,
         markers=rows.filter(pc.not_equal(rows["entry_type"], EntryType.DATA.value)).num_rows,
         checked=_scope_text(ledgers),
@@ -120,8 +118,8 @@ def _committed_once_whole(wh: Warehouse) -> CommittedOnce:
     sequenced = committed.where(F.col("producer_id").isNotNull() & F.col("sequence_id").isNotNull())
     return CommittedOnce(
         entries_of_uncommitted_txns=txn_rows.join(commits, TXN_KEY, "left_anti").count(),
-        duplicate_positions=committed.groupBy(*POSITION).count().where("count > 1").count(),
-        duplicate_sequences=sequenced.groupBy(*SEQUENCE).count().where("count > 1").count(),
+        duplicate_positions=committed.groupBy(*POSITIONS).count().where("count > 1").count(),
+        duplicate_sequences=sequenced.groupBy(*SEQUENCE_KEY).count().where("count > 1").count(),
         markers=committed.where(F.col("entry_type") != EntryType.DATA.value).count(),
     )
 
@@ -132,13 +130,10 @@ def markers_match(wh: Warehouse) -> MarkersMatch:
         return _markers_match_whole(wh)
     tables = DeltaTables(wh)
     markers = tables.dataset(TXN_MARKERS).to_table(filter=_isin("ledger_id", pa.array(ledgers, pa.int64())))
-    at = markers["ledger_id"]
-    bounds = ((pc.field("ledger_id") >= (pc.min(at).as_py() or 0)) & (pc.field("ledger_id") <= (pc.max(at).as_py() or 0))
-              & _isin("ledger_id", at))  # the bounds let the scan skip row groups by their statistics
+    keys = POSITIONS + ["outcome", "txn_most_bits", "txn_least_bits"]
     entries = tables.dataset(LEDGER_ENTRIES).to_table(
-        filter=bounds, columns=POSITION + ["entry_type", "txn_most_bits", "txn_least_bits"]).rename_columns(
-        POSITION + ["outcome", "txn_most_bits", "txn_least_bits"])
-    keys = POSITION + ["outcome", "txn_most_bits", "txn_least_bits"]
+        filter=ledger_filter(markers["ledger_id"]), columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits"]
+    ).rename_columns(keys)
     unmatched = markers.select(keys).join(entries, keys, join_type="left anti").num_rows
     theirs = tables.dataset(TXN_MARKERS).to_table(filter=_isin("txn_least_bits", markers["txn_least_bits"]),
                                                   columns=["txn_most_bits", "txn_least_bits", "outcome"])
@@ -155,8 +150,8 @@ def markers_match(wh: Warehouse) -> MarkersMatch:
 
 def _markers_match_whole(wh: Warehouse) -> MarkersMatch:
     markers = wh.read(TXN_MARKERS)
-    entries = wh.read(LEDGER_ENTRIES).select(*POSITION, F.col("entry_type").alias("outcome"), "txn_most_bits", "txn_least_bits")
-    unmatched = markers.join(entries, [*POSITION, "outcome", "txn_most_bits", "txn_least_bits"], "left_anti").count()
+    entries = wh.read(LEDGER_ENTRIES).select(*POSITIONS, F.col("entry_type").alias("outcome"), "txn_most_bits", "txn_least_bits")
+    unmatched = markers.join(entries, [*POSITIONS, "outcome", "txn_most_bits", "txn_least_bits"], "left_anti").count()
     split = (
         markers.groupBy("txn_most_bits", "txn_least_bits")
         .agg(F.countDistinct("outcome").alias("outcomes"))

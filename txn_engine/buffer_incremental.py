@@ -414,9 +414,9 @@ def refresh_buffer(
     if full:
         entries_all = wh.read(LEDGER_ENTRIES)
         require_ledger_entries(entries_all)
-        plan = plan_scope(inventory, {}, ())
-        return _refresh_on_spark(wh, entries_all, None, None, plan._replace(ledgers=set(), size_bytes=plan.log_bytes),
-                                 after_write, driver_write_max_bytes)
+        # Planned against an empty state: every ledger counts, so size_bytes is the whole log's.
+        plan = plan_scope(inventory, {}, ())._replace(ledgers=set())
+        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes)
     # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
     # read by delta-rs, without the Spark jobs of a Delta scan.
     tables = DeltaTables(wh)
@@ -501,12 +501,8 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
     """An incremental run small enough for the driver: read by delta-rs, computed in Arrow
     (`buffer_arrow`), written by delta-rs; the same rows as `_refresh_on_spark`."""
     replaced = pa.array(sorted(plan.ledgers | plan.deleted), pa.int64())
-    scope = pa.array(sorted(plan.ledgers), pa.int64())
     kept = ~pc.field("ledger_id").isin(replaced)
-    # The bounds let the scan skip row groups by their statistics; isin alone would read them all.
-    in_scope = ((pc.field("ledger_id") >= scope[0].as_py()) & (pc.field("ledger_id") <= scope[-1].as_py())
-                & pc.field("ledger_id").isin(scope)) if len(scope) else pc.scalar(False)
-    entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=in_scope)
+    entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=buffer_arrow.ledger_filter(pa.array(sorted(plan.ledgers), pa.int64())))
     require_ledger_entries(entries)
     computed = buffer_arrow.scope_tables(entries, plan.ledgers,
                                          lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
