@@ -26,7 +26,7 @@ from tests.test_buffer_jobs import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -57,8 +57,8 @@ def refresh(wh, **kwargs):
     return refresh_buffer(wh, inventory(wh), **kwargs)
 
 
-def snapshot(wh) -> dict[str, list[tuple]]:
-    return {t: sorted(plain(r) for r in wh.read(t).collect()) for t in TABLES}
+def snapshot(wh, tables=TABLES) -> dict[str, list[tuple]]:
+    return {t: sorted((plain(r) for r in wh.read(t).collect()), key=repr) for t in tables}  # repr: nulls sort too
 
 
 def reference_rows(entries: list[LogEntry]) -> dict:
@@ -97,14 +97,16 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
         assert (result.full, result.computed_by) == ((True, "spark") if n == 0 else (False, "arrow"))
         assert actual_rows(warehouse) == reference_rows(entries[:cut] if n == 0 else entries), \
             f"after chunk {n}: {[brief(h) for h in histories]}"
+    in_arrow = snapshot(warehouse, TABLES + STATE_TABLES)
     # The same scope again on Spark (the path of scopes too big for the driver): the same rows and counts.
     on_spark = refresh(warehouse, ledgers=result.ledgers, driver_write_max_bytes=0)
     assert (on_spark.computed_by, on_spark.ledgers, on_spark.violations) == ("spark", result.ledgers, result.violations)
     assert actual_rows(warehouse) == reference_rows(entries), f"on Spark: {[brief(h) for h in histories]}"
-    incremental = snapshot(warehouse)
-    # A full recompute gives identical tables, and its violations are the reference's totals.
+    incremental = snapshot(warehouse, TABLES + STATE_TABLES)
+    assert incremental == in_arrow  # the state too: the next run reads it
+    # A full recompute gives identical tables (and state), and its violations are the reference's totals.
     result = refresh(warehouse, full=True)
-    assert snapshot(warehouse) == incremental
+    assert snapshot(warehouse, TABLES + STATE_TABLES) == incremental
     expected = expected_tables(entries)["violations"]
     assert result.violations == {v: sum(c[i] for c in expected.values()) for i, v in enumerate(VIOLATIONS)}
 
