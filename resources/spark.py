@@ -30,6 +30,10 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.master": "local[2]",
     "spark.app.name": "txnlake",
     "spark.driver.memory": "8g",
+    # The throughput collector: batch jobs, no latency to keep. The buffer's full run at 10M took
+    # 64.8-67.7 s warm against 71.4-75.6 s with the default G1, the plain copy 13.6-15.0 s
+    # against 15.1-15.5 s (A/B, alternating processes; docs/benchmarks.md).
+    "spark.driver.extraJavaOptions": "-XX:+UseParallelGC",
     "spark.sql.shuffle.partitions": "8",
     "spark.default.parallelism": "4",
     "spark.sql.adaptive.enabled": "true",

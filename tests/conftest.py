@@ -14,7 +14,8 @@ import pytest
 # data: the JIT compiled ~37,000 methods (40% of a fresh JVM's CPU) and Spark regenerated code
 # its cache of 100 had evicted. Fewer, later JIT compilations, Spark's code kept, the throughput
 # collector: a buffer and a snapshot slice in a fresh JVM ran 25% faster (1.4-1.6x less JVM CPU);
-# in the whole suite the slowest tests ~10% (docs/benchmarks.md). Tests only: big jobs keep the defaults.
+# in the whole suite the slowest tests ~10% (docs/benchmarks.md). The collector is every run's
+# default (`resources.spark`); the JIT and codegen-cache settings are for tests only.
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC -XX:CompileThresholdScaling=10",
