@@ -13,7 +13,7 @@ so that processing newly closed ledgers reads those ledgers' entries, not the hi
   of its kept DATA entries (pairs first seen in that ledger), usually one row per producer and
   ledger; over the ledgers before L they hold exactly the pairs seen before L. An entry
   is a duplicate when an earlier ledger's run holds its pair, or an earlier entry of the same
-  recomputed ledgers has it (`buffer_jobs.duplicate_positions`): the brief's rule, exactly.
+  recomputed ledgers has it (`buffer_jobs.duplicate_entries`): the brief's rule, exactly.
 - `buffer_duplicates`: the duplicate positions (dropped wherever rows are read back).
 - `buffer_pending_entries`: full rows of kept transactional DATA whose transaction has no marker
   in the same ledger: the only old rows a later commit marker can make visible.
@@ -59,24 +59,28 @@ from typing import Callable, Iterable, Mapping, NamedTuple
 import pyarrow as pa
 import pyarrow.compute as pc
 from delta.tables import DeltaTable
-from pyspark.sql import DataFrame, Row, Window
+from pyspark.sql import Column, DataFrame, Row, Window
 from pyspark.sql import functions as F
 
 from txn_engine import buffer_arrow
 from txn_engine.buffer_jobs import (
+    DUPLICATE_COLUMNS,
     NARROW_COLUMNS,
     SEQUENCE_KEY,
     TXN_KEY,
     VIOLATIONS,
     BufferFacts,
     aborted_from_facts,
-    by_ledger_txn,
+    blocks_of,
     committed_txns,
     conform,
-    duplicate_positions,
+    duplicate_entries,
     has_sequence,
     has_txn,
     is_data,
+    late_data,
+    ledger_txn_blocks,
+    ledger_txns_from_blocks,
     markers_from_facts,
     position_lt,
     read_committed,
@@ -100,6 +104,7 @@ from txn_engine.schema import (
     COMMITTED_ENTRIES_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
+    LEDGER_ENTRY_COLUMNS,
     LEDGERS,
     LEDGERS_SCHEMA,
     POSITION_COLUMNS,
@@ -163,6 +168,9 @@ class BufferRefresh:
 
 # -- pure DataFrame steps ----------------------------------------------------------------------
 
+SEQUENCE_GROUP = ("topic", "producer_id", "ledger_id")
+
+
 def sequence_ranges(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
     """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids first seen in that ledger.
 
@@ -170,21 +178,34 @@ def sequence_ranges(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
     once and no `distinct` is needed. The union of the runs of the ledgers before L is still
     exactly the set of pairs seen before L (a pair seen there was first seen there), which is
     all `duplicates_of_earlier_ledgers` asks. One hash aggregate decides most groups (a group
-    is one run when its count fills the span); only groups with gaps are sorted into runs.
+    is one run when its count fills the span: `sequence_spans`); only groups with gaps are sorted
+    into runs (`ranges_from_spans`).
     """
-    group = ["topic", "producer_id", "ledger_id"]
-    kept = narrow.filter(is_data() & has_sequence()).select(*group, "entry_id", "sequence_id").join(
-        F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti"
-    ).drop("entry_id")
-    spans = kept.groupBy(*group).agg(
+    return ranges_from_spans(sequence_spans(narrow, duplicates), narrow, duplicates)
+
+
+def sequence_spans(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
+    """Per (topic, producer_id, ledger_id): first and last kept sequence id, and `_n` kept entries."""
+    return _kept_sequenced(narrow, duplicates).groupBy(*SEQUENCE_GROUP).agg(
         F.min("sequence_id").alias("first_sequence_id"),
         F.max("sequence_id").alias("last_sequence_id"),
         F.count("*").alias("_n"),
     )
-    one_run = F.col("_n") == F.col("last_sequence_id") - F.col("first_sequence_id") + 1
-    whole = spans.filter(one_run).drop("_n")
+
+
+def spans_with_gaps() -> Column:
+    return F.col("_n") != F.col("last_sequence_id") - F.col("first_sequence_id") + 1
+
+
+def ranges_from_spans(spans: DataFrame, narrow: DataFrame, duplicates: DataFrame, gaps: bool = True) -> DataFrame:
+    """`sequence_ranges` from `sequence_spans`; `gaps=False` (the caller counted none) reads no entry again."""
+    whole = spans.filter(~spans_with_gaps()).drop("_n")
+    if not gaps:
+        return conform(whole, BUFFER_SEQUENCE_RANGES_SCHEMA)
     # Groups with gaps are few (a producer whose sends interleave with a retry's ledger); broadcast their keys.
-    gappy = kept.join(F.broadcast(spans.filter(~one_run).select(*group)), group, "left_semi")
+    group = list(SEQUENCE_GROUP)
+    gappy = _kept_sequenced(narrow, duplicates).join(F.broadcast(spans.filter(spans_with_gaps()).select(*group)), group,
+                                                     "left_semi")
     island = F.col("sequence_id") - F.row_number().over(Window.partitionBy(*group).orderBy("sequence_id"))
     runs = gappy.withColumn("_island", island).groupBy(*group, "_island").agg(
         F.min("sequence_id").alias("first_sequence_id"), F.max("sequence_id").alias("last_sequence_id")
@@ -192,9 +213,15 @@ def sequence_ranges(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
     return conform(whole.unionByName(runs.drop("_island")), BUFFER_SEQUENCE_RANGES_SCHEMA)
 
 
+def _kept_sequenced(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
+    return narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_GROUP, "entry_id", "sequence_id").join(
+        F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti"
+    ).drop("entry_id")
+
+
 def duplicates_of_earlier_ledgers(narrow: DataFrame, earlier_ranges: DataFrame) -> DataFrame:
-    """Positions of DATA entries whose (producer_id, sequence_id) a run of an earlier ledger of the topic holds."""
-    sequenced = narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_KEY, "ledger_id", "entry_id")
+    """DATA entries whose (producer_id, sequence_id) a run of an earlier ledger of the topic holds (`DUPLICATE_COLUMNS`)."""
+    sequenced = narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_KEY, *DUPLICATE_COLUMNS[1:])
     ranges = earlier_ranges.select(
         "topic", "producer_id", F.col("ledger_id").alias("_rl"), "first_sequence_id", "last_sequence_id"
     )
@@ -202,7 +229,7 @@ def duplicates_of_earlier_ledgers(narrow: DataFrame, earlier_ranges: DataFrame) 
         (F.col("_rl") < F.col("ledger_id"))
         & F.col("sequence_id").between(F.col("first_sequence_id"), F.col("last_sequence_id"))
     )
-    return hit.select(*POSITION_COLUMNS).distinct()
+    return hit.select(*DUPLICATE_COLUMNS).distinct()
 
 
 def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: DataFrame) -> DataFrame:
@@ -213,7 +240,7 @@ def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: Data
     rows = (
         entries.filter(is_data() & has_txn())
         .join(keys, ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"], "left_semi")
-        .join(F.broadcast(duplicates), list(POSITION_COLUMNS), "left_anti")
+        .join(F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti")
     )
     return conform(rows, LEDGER_ENTRIES_SCHEMA)
 
@@ -221,7 +248,7 @@ def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: Data
 def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
     """One row: the count of each violation whose entry lies in the recomputed ledgers (`facts.entries`).
 
-    A marker counts where it is: `duplicate_marker` for each marker of the scope that is not its
+    `facts.blocks` are the scope's blocks. A marker counts where it is: `duplicate_marker` for each marker of the scope that is not its
     transaction's first, `marker_without_data` for first markers of the scope with no kept data
     before them. Summed over the runs of a history they give the full run's totals. Global
     aggregates, not per topic: a run reports totals, and grouping by topic cost shuffles and joins.
@@ -245,14 +272,9 @@ def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) ->
         F.count(F.when(is_first_here & ~data_before, 1)).alias(Violation.MARKER_WITHOUT_DATA.value),
     )
     duplicates = facts.duplicates.agg(F.count("*").alias(Violation.DUPLICATE.value))
-    late = (
-        facts.entries.filter(is_data() & has_txn())
-        .select(*TXN_KEY, "ledger_id", "entry_id")
-        .join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
-        .join(txns.filter(F.col("marker_ledger_id").isNotNull()), list(TXN_KEY))
-        .filter(position_lt(F.col("marker_ledger_id"), F.col("marker_entry_id"), F.col("ledger_id"), F.col("entry_id")))
-        .agg(F.count("*").alias(Violation.DATA_AFTER_MARKER.value))
-    )
+    # From the scope's blocks: their kept entries after their transaction's first marker.
+    late = late_data(blocks_of(facts), facts.txns).agg(
+        F.coalesce(F.sum("_late"), F.lit(0)).alias(Violation.DATA_AFTER_MARKER.value))
     return duplicates.crossJoin(per_marker).crossJoin(late).select(*[F.col(v).cast("long").alias(v) for v in VIOLATIONS])
 
 
@@ -444,11 +466,12 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     """The run on Spark: a full run (`kept_state` None), or an incremental one too big for the driver."""
     full = kept_state is None
     narrow = entries.select(*NARROW_COLUMNS)
-    duplicates = duplicate_positions(narrow)
+    duplicates = duplicate_entries(narrow)
     if not full:
         duplicates = duplicates.unionByName(duplicates_of_earlier_ledgers(narrow, kept_state[BUFFER_SEQUENCE_RANGES])).distinct()
     duplicates = duplicates.cache()
-    scope_ledger_txns = conform(by_ledger_txn(narrow, duplicates), BUFFER_LEDGER_TXNS_SCHEMA).cache()
+    blocks = ledger_txn_blocks(narrow, duplicates).cache()
+    scope_ledger_txns = conform(ledger_txns_from_blocks(blocks), BUFFER_LEDGER_TXNS_SCHEMA).cache()
     if full:
         folded = scope_ledger_txns
         last_entries = folded.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
@@ -457,28 +480,33 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         # After this run the state describes exactly the catalog's ledgers: their last entries are the catalog's.
         last_entries = entries.sparkSession.createDataFrame(plan.last_entries, "topic string, ledger_id long, last_entry_id long")
     txns = txns_from_ledger_txns(folded).cache()
-    facts = BufferFacts(entries, duplicates, folded, last_entries, txns)
+    facts = BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), folded, last_entries, txns, blocks)
     stable = stable_from_facts(facts).cache()
+    # Read once for the sequence ranges: whether any group has gaps decides if entries are read again.
+    spans = sequence_spans(narrow, duplicates).cache()
     try:
         markers = markers_from_facts(facts)
         aborted = aborted_from_facts(facts)
-        data = facts.entries.filter(is_data()).join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
+        rows, visible_from = entries.select(*LEDGER_ENTRY_COLUMNS), blocks
         committed = committed_txns(facts.txns)
         if not full:
             in_scope = lambda column: F.col(column).isin(sorted(plan.ledgers))  # noqa: E731
             markers = markers.filter(in_scope("ledger_id"))
             aborted = aborted.filter(in_scope("abort_ledger_id"))
             committed = committed.filter(in_scope("visible_ledger_id"))
-            # Rows of older ledgers that a commit in the scope makes visible.
-            data = data.unionByName(kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi"))
+            # Rows of older ledgers that a commit in the scope makes visible, and their blocks.
+            pending = kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi")
+            rows = rows.unionByName(pending.select(*LEDGER_ENTRY_COLUMNS))
+            visible_from = blocks.unionByName(ledger_txn_blocks(pending.select(*NARROW_COLUMNS)))
+        gaps = spans.filter(spans_with_gaps()).limit(1).count() > 0
         written = {
             TXN_MARKERS: markers,
             ABORTED_TXNS: aborted,
-            COMMITTED_ENTRIES: read_committed(data, committed, stable),
+            COMMITTED_ENTRIES: read_committed(rows, visible_from, committed, stable),
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
-            BUFFER_SEQUENCE_RANGES: sequence_ranges(facts.entries.select(*NARROW_COLUMNS), facts.duplicates),
+            BUFFER_SEQUENCE_RANGES: ranges_from_spans(spans, narrow, duplicates, gaps),
             BUFFER_LEDGER_TXNS: scope_ledger_txns,
         }
         driver = plan.size_bytes <= driver_write_max_bytes
@@ -492,7 +520,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
                              deleted_ledgers=sorted(plan.deleted), recomputed_topics=sorted(plan.topics),
                              violations={v: int(counts[v] or 0) for v in VIOLATIONS})
     finally:
-        for frame in (duplicates, scope_ledger_txns, txns, stable):
+        for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans):
             frame.unpersist()
 
 

@@ -19,20 +19,23 @@ The rules, stated over the whole history at once (per topic):
 
 How the work is laid out, and why (the payload is ~200 bytes a row, the other columns ~70):
 - `classify_entries` computes the facts once, from narrow columns only: the positions of the
-  duplicates, the last entry of each ledger, and per (topic, transaction) its first marker and
-  first kept entry. Every table is built from these facts.
-- Duplicates: count a 64-bit hash of (topic, producer_id, sequence_id), then broadcast the
-  (usually tiny) set of repeated hashes back to find, by the exact key, which positions repeat.
-  The duplicate positions are then broadcast wherever rows must be dropped: no full row is
-  shuffled for it. (A log where most entries are retried sends would make this set large.)
+  duplicates, per block of 64 entries of a ledger and transaction the kept DATA as bits, the
+  last entry of each ledger, and per (topic, transaction) its first marker and first kept
+  entry. Every table is built from these facts.
+- Duplicates: sequence ids are counted per bucket of 64 ids of a producer, with a bit per id
+  (`duplicate_entries`): a few hundred thousand groups instead of one per entry, and only the
+  entries of the repeated ids are then ranked by position. The duplicates are taken off the
+  blocks afterwards (their bits): the 10M-row aggregate reads no duplicate flag.
 - First positions are two long columns, never a struct: a hash aggregate cannot hold a struct
   buffer (Spark falls back to a sort aggregate), so the lexicographic minimum is taken in two
   hash aggregates, per (topic, ledger, txn) with min(entry_id), then per (topic, txn) with
   min(ledger_id) and min_by(entry, ledger_id) (each ledger occurs once per txn there).
-- `committed_entries` shuffles and sorts full rows once, and only transactional DATA rows: they
-  are partitioned by transaction to number them (`local_seq`), and the join with the committed
-  transactions reuses that order. Non-transactional rows are not
-  shuffled; stable positions (one row per topic) are broadcast.
+- `committed_entries` shuffles no row: the blocks a reader sees (about one row per transaction
+  and ledger, with the count of the transaction's kept entries before each) are broadcast, and
+  each full row finds there whether it is kept and visible, and its `local_seq` (the count
+  before its block plus the bits before its own). Late data is counted from the same bits.
+  Numbering full rows in a window, as before, shuffled and sorted ~4M payloads: a third of the
+  full run.
 - `compute_buffer_tables` caches the narrow facts and the stable positions, so writing the four
   tables reads the full rows only for `committed_entries`.
 
@@ -43,7 +46,7 @@ transaction id (a marker without one is ignored here; the oracle rejects it), no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, reduce
 
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame, Window
@@ -62,6 +65,10 @@ from txn_engine.schema import (
 from txn_engine.transaction_buffer import EntryType, Violation
 
 TXN_KEY = ("topic", "txn_most_bits", "txn_least_bits")
+LEDGER_TXN_KEY = ("topic", "ledger_id", "txn_most_bits", "txn_least_bits")
+BLOCK_KEY = (*LEDGER_TXN_KEY, "block")
+# A duplicate's position and its own transaction: what `ledger_txn_blocks` takes off its block.
+DUPLICATE_COLUMNS = (*POSITION_COLUMNS, "txn_most_bits", "txn_least_bits")
 SEQUENCE_KEY = ("topic", "producer_id", "sequence_id")
 VIOLATIONS = tuple(v.value for v in Violation)  # duplicate, data_after_marker, duplicate_marker, marker_without_data
 # Only these columns feed the facts; the rest (payload above all) is read for committed_entries only.
@@ -99,6 +106,43 @@ def position_le(ledger: Column, entry: Column, other_ledger: Column, other_entry
     return (ledger < other_ledger) | ((ledger == other_ledger) & (entry <= other_entry))
 
 
+# Entry ids (and sequence ids) in blocks of 64: one long holds a bit for each id of a block.
+BLOCK_SHIFT = 6
+BLOCK_SIZE = 1 << BLOCK_SHIFT
+_MIN_LONG = -(1 << 63)
+
+
+def block_of(id_: Column) -> Column:
+    return F.shiftright(id_, BLOCK_SHIFT)
+
+
+def _offset_in_block(id_: Column) -> Column:
+    return id_.bitwiseAND(BLOCK_SIZE - 1).cast("int")
+
+
+def entry_bit(id_: Column) -> Column:
+    """The id's bit in its block's long."""
+    return F.call_function("shiftleft", F.lit(1).cast("long"), _offset_in_block(id_))
+
+
+def bits_before(id_: Column) -> Column:
+    """The bits of the ids of its block below `id_`. (Shifts only: ANSI arithmetic would overflow at bit 63.)"""
+    return F.bitwise_not(F.call_function("shiftleft", F.lit(-1).cast("long"), _offset_in_block(id_)))
+
+
+def bits_after(id_: Column) -> Column:
+    """The bits of the ids of its block above `id_`."""
+    return F.call_function("shiftleft", F.lit(-1).cast("long"), _offset_in_block(id_)).bitwiseAND(F.bitwise_not(entry_bit(id_)))
+
+
+def lowest_entry(block: Column, bits: Column) -> Column:
+    """The least id whose bit is set in `bits` (not 0) of `block`: the count of trailing zeros, by
+    bit_count(~x & (x - 1)); x - 1 overflows only for bit 63 alone, taken apart."""
+    trailing = F.when(bits == F.lit(_MIN_LONG), F.lit(BLOCK_SIZE - 1)).otherwise(
+        F.bit_count(F.bitwise_not(bits).bitwiseAND(bits - 1)))
+    return block * BLOCK_SIZE + trailing
+
+
 def conform(frame: DataFrame, schema: StructType) -> DataFrame:
     """Exactly the schema's columns, in its order and types."""
     return frame.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields])
@@ -127,6 +171,8 @@ class BufferFacts:
     - `txns`: per (topic, txn_most_bits, txn_least_bits) with kept data or a marker: `outcome`,
       `marker_ledger_id`, `marker_entry_id` of the first marker (null when none), `marker_count`,
       and `first_data_ledger_id`, `first_data_entry_id` of its first kept DATA entry (null when none).
+    - `blocks`: `ledger_txn_blocks`, the per-block step `by_ledger_txn` rolls up: which entries
+      are kept DATA, a bit each (None when the facts were folded from stored state).
     """
 
     entries: DataFrame
@@ -134,47 +180,139 @@ class BufferFacts:
     by_ledger_txn: DataFrame  # per (topic, ledger_id, txn); the step both `ledgers` and `txns` come from
     ledgers: DataFrame
     txns: DataFrame
+    blocks: DataFrame | None = None
 
     def cached_frames(self) -> list[DataFrame]:
         """The frames `classify_entries(persist=True)` caches (unpersisting the others is harmless)."""
-        return [self.duplicates, self.by_ledger_txn, self.txns]
+        return [f for f in (self.duplicates, self.blocks, self.by_ledger_txn, self.txns) if f is not None]
 
 
 def classify_entries(entries: DataFrame, persist: bool = False) -> BufferFacts:
     """The facts of the transaction buffer, from the narrow columns of `ledger_entries`.
 
-    `persist=True` caches the duplicates, the per-(topic, ledger, txn) step and `txns` (all
-    narrow: about one row per transaction and ledger), for callers that build several tables.
+    `persist=True` caches the duplicates, the blocks, the per-(topic, ledger, txn) step and `txns`
+    (all narrow: about one row per transaction and ledger), for callers that build several tables.
     """
     require_ledger_entries(entries)
     narrow = entries.select(*NARROW_COLUMNS)
-    duplicates = duplicate_positions(narrow)
+    duplicates = duplicate_entries(narrow)
     if persist:
         duplicates = duplicates.cache()
-    ledger_txns = by_ledger_txn(narrow, duplicates)
+    blocks = ledger_txn_blocks(narrow, duplicates)
+    if persist:
+        blocks = blocks.cache()
+    ledger_txns = ledger_txns_from_blocks(blocks)
     if persist:
         ledger_txns = ledger_txns.cache()
     txns = txns_from_ledger_txns(ledger_txns)
     if persist:
         txns = txns.cache()
     ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-    return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
+    return BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), ledger_txns, ledgers, txns, blocks)
 
 
 def duplicate_positions(narrow: DataFrame) -> DataFrame:
-    sequenced = narrow.filter(is_data() & has_sequence()).select(
-        *SEQUENCE_KEY, "ledger_id", "entry_id", F.xxhash64(*SEQUENCE_KEY).alias("_key_hash")
+    """(topic, ledger_id, entry_id) of the DATA entries repeating an earlier (producer_id, sequence_id) of their topic."""
+    return duplicate_entries(narrow).select(*POSITION_COLUMNS)
+
+
+def duplicate_entries(narrow: DataFrame) -> DataFrame:
+    """`duplicate_positions` with each duplicate's own transaction (`DUPLICATE_COLUMNS`), which `ledger_txn_blocks` takes.
+
+    Nearly every (topic, producer_id, sequence_id) is unique, and counting 10M keys was the
+    costliest aggregate of the facts. So the keys are counted per bucket of 64 consecutive
+    sequence ids of a producer (a few hundred thousand groups: a cheap aggregate), with a bit per
+    id: OR (ids seen) and XOR (ids seen an odd number of times). A bucket with more entries than
+    ids seen holds a repeat; when its extra entries are exactly as many as its ids seen an even
+    number of times, those are the ids seen twice (any id seen 3 or more times breaks the
+    equality), else every id of the bucket is a candidate. Only the candidates' entries are
+    ranked by position: exact whatever the ids look like.
+    """
+    sequenced = narrow.filter(is_data() & has_sequence())
+    bit = entry_bit(F.col("sequence_id"))
+    buckets = sequenced.groupBy("topic", "producer_id", block_of(F.col("sequence_id")).alias("_bucket")).agg(
+        F.count("*").alias("_n"), F.bit_or(bit).alias("_seen"), F.bit_xor(bit).alias("_odd")
     )
-    # Count one long per entry, not (string, long, long): nearly every key is unique, so this
-    # aggregate is as large as the log. Hash collisions only add candidates; the exact key
-    # decides below. Repeated keys are rare (retried sends), so the candidates are few.
-    repeated = sequenced.groupBy("_key_hash").count().filter(F.col("count") > 1).select("_key_hash")
-    candidates = sequenced.join(F.broadcast(repeated), "_key_hash", "left_semi")
+    seen = F.bit_count("_seen")
+    twice = F.col("_seen").bitwiseAND(F.bitwise_not(F.col("_odd")))
+    repeated = buckets.filter(F.col("_n") > seen).select(
+        "topic", "producer_id", "_bucket",
+        F.when(F.col("_n") - seen == F.bit_count(twice), twice).otherwise(F.col("_seen")).alias("_bits"),
+    )
+    keys = repeated.select(
+        "topic", "producer_id", "_bucket",
+        F.explode(F.filter(F.sequence(F.lit(0), F.lit(BLOCK_SIZE - 1)),
+                           lambda i: F.call_function("shiftrightunsigned", F.col("_bits"), i).bitwiseAND(1) == 1)).alias("_i"),
+    ).select("topic", "producer_id", (F.col("_bucket") * BLOCK_SIZE + F.col("_i")).alias("sequence_id"))
+    candidates = sequenced.join(F.broadcast(keys), list(SEQUENCE_KEY), "left_semi")
     in_log_order = Window.partitionBy(*SEQUENCE_KEY).orderBy("ledger_id", "entry_id")
     return (
         candidates.withColumn("_nth", F.row_number().over(in_log_order))
         .filter(F.col("_nth") > 1)  # the first position is kept
-        .select(*POSITION_COLUMNS)
+        .select(*DUPLICATE_COLUMNS)
+    )
+
+
+def ledger_txn_blocks(narrow: DataFrame, duplicates: DataFrame | None = None) -> DataFrame:
+    """Per (topic, ledger_id, txn, block of 64 entry ids): `by_ledger_txn`'s columns and the block's kept DATA as bits.
+
+    `kept_count` and `kept_bits` (bit `entry_id % 64` set for each kept DATA entry: not a
+    duplicate; non-transactional ones included) are what numbers a transaction's entries
+    (`read_committed`) and counts its late data without shuffling or rescanning rows. The
+    aggregate reads no duplicate flag: the few `duplicates` (positions with their own transaction,
+    `DUPLICATE_COLUMNS`) are taken off the blocks afterwards, their bits are distinct entries'.
+    Non-transactional entries fall in the (topic, ledger_id, null, null, block) groups. Without
+    `duplicates` every DATA entry is kept (rows already de-duplicated).
+    """
+    bit = entry_bit(F.col("entry_id"))
+    marker_entry = F.when(is_marker(), F.col("entry_id"))
+    block = block_of(F.col("entry_id")).alias("block")
+    blocks = narrow.groupBy(*LEDGER_TXN_KEY, block).agg(
+        F.count("*").alias("entry_count"),
+        F.max("entry_id").alias("last_entry_id"),
+        F.count(marker_entry).alias("marker_count"),
+        F.min(marker_entry).alias("marker_entry_id"),
+        # A boolean, not the entry_type string: keeps the aggregate a hash aggregate.
+        F.min_by(F.col("entry_type") == EntryType.COMMIT.value, marker_entry).alias("marker_is_commit"),
+        F.count(F.when(is_data(), 1)).alias("_data_count"),
+        F.bit_or(F.when(is_data(), bit)).alias("_data_bits"),
+    )
+    if duplicates is None:
+        blocks = blocks.withColumns({"duplicate_count": F.lit(0).cast("long"), "_dup_bits": F.lit(0).cast("long")})
+    else:
+        dropped = duplicates.groupBy(*LEDGER_TXN_KEY, block).agg(
+            F.count("*").alias("duplicate_count"), F.bit_or(bit).alias("_dup_bits")
+        )
+        keys = [f"_d_{c}" for c in BLOCK_KEY]
+        dropped = dropped.toDF(*keys, "duplicate_count", "_dup_bits")
+        same_block = reduce(lambda a, b: a & b, [F.col(c).eqNullSafe(F.col(k)) for c, k in zip(BLOCK_KEY, keys)])
+        blocks = blocks.join(F.broadcast(dropped), same_block, "left")
+    kept_bits = F.coalesce(F.col("_data_bits"), F.lit(0).cast("long")).bitwiseAND(
+        F.bitwise_not(F.coalesce(F.col("_dup_bits"), F.lit(0).cast("long"))))
+    return (
+        blocks
+        .withColumn("duplicate_count", F.coalesce(F.col("duplicate_count"), F.lit(0).cast("long")))
+        .withColumn("kept_bits", kept_bits)
+        .select(
+            *BLOCK_KEY, "entry_count", "last_entry_id", "marker_count", "marker_entry_id", "marker_is_commit",
+            F.when(has_txn() & (F.col("kept_bits") != 0), lowest_entry(F.col("block"), F.col("kept_bits"))).alias("data_entry_id"),
+            "duplicate_count",
+            (F.col("_data_count") - F.col("duplicate_count")).alias("kept_count"),
+            "kept_bits",
+        )
+    )
+
+
+def ledger_txns_from_blocks(blocks: DataFrame) -> DataFrame:
+    """`by_ledger_txn` from `ledger_txn_blocks`: each (topic, ledger, txn)'s blocks rolled up."""
+    return blocks.groupBy(*LEDGER_TXN_KEY).agg(
+        F.sum("entry_count").alias("entry_count"),
+        F.max("last_entry_id").alias("last_entry_id"),
+        F.sum("marker_count").alias("marker_count"),
+        F.min("marker_entry_id").alias("marker_entry_id"),
+        F.min_by("marker_is_commit", "marker_entry_id").alias("marker_is_commit"),
+        F.min("data_entry_id").alias("data_entry_id"),
+        F.sum("duplicate_count").alias("duplicate_count"),
     )
 
 
@@ -182,22 +320,10 @@ def by_ledger_txn(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
     """Per (topic, ledger_id, txn): entry count, last entry, marker count, first marker, first kept data entry and duplicate count.
 
     Non-transactional entries fall in the (topic, ledger_id, null, null) group: they only count
-    for the ledger's size and last entry. Only the `duplicates` make a row depend on other
-    ledgers, which is what lets the incremental path persist these rows per ledger.
+    for the ledger's size and last entry. Only the `duplicates` (`DUPLICATE_COLUMNS`) make a row
+    depend on other ledgers, which is what lets the incremental path persist these rows per ledger.
     """
-    flagged = narrow.join(F.broadcast(duplicates.withColumn("_dup", F.lit(True))), list(POSITION_COLUMNS), "left")
-    marker_entry = F.when(is_marker(), F.col("entry_id"))
-    kept_data_entry = F.when(is_data() & has_txn() & F.col("_dup").isNull(), F.col("entry_id"))
-    return flagged.groupBy("topic", "ledger_id", "txn_most_bits", "txn_least_bits").agg(
-        F.count("*").alias("entry_count"),
-        F.max("entry_id").alias("last_entry_id"),
-        F.count(marker_entry).alias("marker_count"),
-        F.min(marker_entry).alias("marker_entry_id"),
-        # A boolean, not the entry_type string: keeps the aggregate a hash aggregate.
-        F.min_by(F.col("entry_type") == EntryType.COMMIT.value, marker_entry).alias("marker_is_commit"),
-        F.min(kept_data_entry).alias("data_entry_id"),
-        F.count("_dup").alias("duplicate_count"),
-    )
+    return ledger_txns_from_blocks(ledger_txn_blocks(narrow, duplicates))
 
 
 def txns_from_ledger_txns(by_ledger_txn: DataFrame) -> DataFrame:
@@ -288,8 +414,14 @@ def stable_from_facts(facts: BufferFacts) -> DataFrame:
 
 def committed_from_facts(facts: BufferFacts, stable: DataFrame) -> DataFrame:
     """The read-committed view: kept DATA of no transaction or of a committed one, before its marker."""
-    data = facts.entries.filter(is_data()).join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
-    return read_committed(data, committed_txns(facts.txns), stable)
+    return read_committed(facts.entries, blocks_of(facts), committed_txns(facts.txns), stable)
+
+
+def blocks_of(facts: BufferFacts) -> DataFrame:
+    if facts.blocks is None:
+        raise TxnlakeError("these buffer facts were folded from stored state and have no blocks; "
+                           "classify the entries (buffer_jobs.classify_entries) to read committed rows or count late data")
+    return facts.blocks
 
 
 def committed_txns(txns: DataFrame) -> DataFrame:
@@ -299,36 +431,82 @@ def committed_txns(txns: DataFrame) -> DataFrame:
     )
 
 
-def read_committed(data: DataFrame, committed: DataFrame, stable: DataFrame) -> DataFrame:
-    """`committed_entries` rows from kept DATA rows (duplicates already removed) and `committed_txns`.
+def visible_blocks(blocks: DataFrame, committed: DataFrame) -> DataFrame:
+    """The blocks (`ledger_txn_blocks`) whose kept DATA a read-committed reader sees, with what numbers their rows.
 
-    Transactional rows of a transaction missing from `committed` are left out, so a caller can
-    pass more data than it wants rows for (the incremental path passes only the transactions
-    committed in the ledgers it recomputes).
+    Non-transactional blocks as they are; the blocks of a transaction of `committed` that begin
+    before its commit marker, with `visible_ledger_id`, `visible_entry_id` and `_offset`: the
+    transaction's kept entries in its earlier blocks. A row's `local_seq` is `_offset` plus its
+    block's kept entries before it. Blocks after the marker are left out, and those numbered are
+    all before it, so late data changes no number.
     """
-    # Non-transactional rows stay where they are: visible at their own position, no shuffle.
-    plain = data.filter(~has_txn()).select(
-        *LEDGER_ENTRY_COLUMNS,
-        F.col("ledger_id").alias("visible_ledger_id"),
-        F.col("entry_id").alias("visible_entry_id"),
-        F.lit(0).cast("long").alias("local_seq"),
-    )
-    # The one shuffle of full rows: by transaction, which the numbering and the join share.
-    # Numbering first lets the join reuse the window's sort (its rows are already ordered by
-    # transaction), so full rows are sorted once, not twice. Data after the marker is numbered
-    # after every entry before it, so dropping it afterwards leaves local_seq unchanged.
-    in_txn_order = Window.partitionBy(*TXN_KEY).orderBy("ledger_id", "entry_id")
+    kept = blocks.filter(F.col("kept_bits") != 0).select(*BLOCK_KEY, "kept_count", "kept_bits")
+    earlier = Window.partitionBy(*TXN_KEY).orderBy("ledger_id", "block").rowsBetween(Window.unboundedPreceding, -1)
     numbered = (
-        data.filter(has_txn())
-        .withColumn("local_seq", (F.row_number().over(in_txn_order) - 1).cast("long"))
+        kept.filter(has_txn())
         .join(committed, list(TXN_KEY))
-        .filter(position_lt(F.col("ledger_id"), F.col("entry_id"), F.col("visible_ledger_id"), F.col("visible_entry_id")))
-        .select(*LEDGER_ENTRY_COLUMNS, "visible_ledger_id", "visible_entry_id", "local_seq")
+        .filter(position_lt(F.col("ledger_id"), F.col("block") * BLOCK_SIZE, F.col("visible_ledger_id"), F.col("visible_entry_id")))
+        .withColumn("_offset", F.coalesce(F.sum("kept_count").over(earlier), F.lit(0).cast("long")))
+    )
+    plain = kept.filter(~has_txn()).select(
+        *BLOCK_KEY, "kept_count", "kept_bits", F.lit(None).cast("long").alias("visible_ledger_id"),
+        F.lit(None).cast("long").alias("visible_entry_id"), F.lit(0).cast("long").alias("_offset"),
+    )
+    return numbered.unionByName(plain).drop("kept_count")
+
+
+def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, stable: DataFrame) -> DataFrame:
+    """`committed_entries` from `ledger_entries` rows, their blocks (`ledger_txn_blocks`) and `committed_txns`.
+
+    `rows` may hold any entries: a row is read when its block marks it kept DATA and it is
+    non-transactional, or of a transaction in `committed` and before its marker. So a caller can
+    pass more than it wants rows for (the incremental path passes only the transactions committed
+    in the ledgers it recomputes). Every block of a committed transaction before its marker must
+    be in `blocks` (they number its rows), and the rows of those wanted in `rows`.
+
+    No row is shuffled: the visible blocks (about one row per transaction and ledger) are
+    broadcast and each row finds its block, its bit and its number there. A shuffle of full rows
+    by transaction, to number them in a window, was the costliest step of the full run.
+    """
+    keys = [f"_b_{c}" for c in BLOCK_KEY]
+    visible = visible_blocks(blocks, committed)
+    info = visible.select(*[F.col(c).alias(k) for c, k in zip(BLOCK_KEY, keys)], "kept_bits", "visible_ledger_id",
+                          "visible_entry_id", "_offset")
+    row_key = [*[F.col(c) for c in LEDGER_TXN_KEY], block_of(F.col("entry_id"))]
+    same_block = reduce(lambda a, b: a & b, [c.eqNullSafe(F.col(k)) for c, k in zip(row_key, keys)])
+    joined = rows.filter(is_data()).join(F.broadcast(info), same_block)
+    entry = F.col("entry_id")
+    kept = F.col("kept_bits").bitwiseAND(entry_bit(entry)) != 0
+    before_marker = ~has_txn() | position_lt(F.col("ledger_id"), entry, F.col("visible_ledger_id"), F.col("visible_entry_id"))
+    local_seq = F.when(has_txn(), F.col("_offset") + F.bit_count(F.col("kept_bits").bitwiseAND(bits_before(entry))))
+    read = joined.filter(kept & before_marker).select(
+        *LEDGER_ENTRY_COLUMNS,
+        F.coalesce("visible_ledger_id", "ledger_id").alias("visible_ledger_id"),
+        F.coalesce("visible_entry_id", "entry_id").alias("visible_entry_id"),
+        F.coalesce(local_seq, F.lit(0)).cast("long").alias("local_seq"),
     )
     stable_at = stable.select("topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
-    visible = plain.unionByName(numbered).join(F.broadcast(stable_at), "topic")
-    in_prefix = position_le(F.col("ledger_id"), F.col("entry_id"), F.col("_sl"), F.col("_se"))
-    return conform(visible.withColumn("in_stable_prefix", in_prefix), COMMITTED_ENTRIES_SCHEMA)
+    in_prefix = position_le(F.col("ledger_id"), entry, F.col("_sl"), F.col("_se"))
+    return conform(read.join(F.broadcast(stable_at), "topic").withColumn("in_stable_prefix", in_prefix), COMMITTED_ENTRIES_SCHEMA)
+
+
+def late_data(blocks: DataFrame, txns: DataFrame) -> DataFrame:
+    """Per block of `blocks` with kept DATA of a transaction with a first marker in `txns`: `topic`
+    and `_late`, its kept entries after that marker (`data_after_marker`), from the block's bits."""
+    markers = txns.filter(F.col("marker_count") > 0).select(
+        *TXN_KEY, F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
+    marked = blocks.filter(has_txn() & (F.col("kept_bits") != 0)).select(*BLOCK_KEY, "kept_count", "kept_bits").join(
+        markers, list(TXN_KEY))
+    marker_ledger, marker_entry = F.col("_ml"), F.col("_me")
+    marker_block = block_of(marker_entry)
+    late = (
+        F.when((F.col("ledger_id") > marker_ledger) | ((F.col("ledger_id") == marker_ledger) & (F.col("block") > marker_block)),
+               F.col("kept_count"))
+        .when((F.col("ledger_id") == marker_ledger) & (F.col("block") == marker_block),
+              F.bit_count(F.col("kept_bits").bitwiseAND(bits_after(marker_entry))).cast("long"))
+        .otherwise(F.lit(0).cast("long"))
+    )
+    return marked.select("topic", late.alias("_late"))
 
 
 def violations_from_facts(facts: BufferFacts) -> DataFrame:
@@ -343,19 +521,7 @@ def violations_from_facts(facts: BufferFacts) -> DataFrame:
         F.sum(F.when(has_marker, F.col("marker_count") - 1).otherwise(0)).alias(Violation.DUPLICATE_MARKER.value),
         F.count(F.when(has_marker & ~data_before_marker, 1)).alias(Violation.MARKER_WITHOUT_DATA.value),
     )
-    # Late data needs each entry against its marker: a narrow join, computed only when asked.
-    kept_txn_data = (
-        facts.entries.filter(is_data() & has_txn())
-        .select(*TXN_KEY, "ledger_id", "entry_id")
-        .join(F.broadcast(facts.duplicates), list(POSITION_COLUMNS), "left_anti")
-    )
-    markers = facts.txns.filter(has_marker).select(*TXN_KEY, "marker_ledger_id", "marker_entry_id")
-    late = (
-        kept_txn_data.join(markers, list(TXN_KEY))
-        .filter(position_lt(F.col("marker_ledger_id"), F.col("marker_entry_id"), F.col("ledger_id"), F.col("entry_id")))
-        .groupBy("topic")
-        .agg(F.count("*").alias(Violation.DATA_AFTER_MARKER.value))
-    )
+    late = late_data(blocks_of(facts), facts.txns).groupBy("topic").agg(F.sum("_late").alias(Violation.DATA_AFTER_MARKER.value))
     joined = topics.join(duplicates, "topic", "left").join(per_txn, "topic", "left").join(late, "topic", "left")
     return joined.select("topic", *[F.coalesce(F.col(v), F.lit(0)).cast("long").alias(v) for v in VIOLATIONS])
 
