@@ -147,6 +147,19 @@ SCENARIOS: dict[str, list[LogEntry]] = {
     "sequence-topic-b": [e(1, 0, producer=9, seq=1), e(2, 0, txn=T1, producer=9, seq=2)],
     # non-transactional entries around an open transaction
     "non-transactional": [e(1, 0), e(1, 1, txn=T1), e(1, 2, producer=3, seq=0), e(2, 0)],
+    # blocks of 64 entries and buckets of 64 sequence ids (the Spark jobs keep a bit per id): T1's
+    # first kept entry is bit 63 alone in its block, its entries span three blocks, its late data
+    # lies in the marker's block, the next block and the next ledger; T2 spans two ledgers
+    "block-edges": [e(1, 0), e(1, 63, txn=T1), e(1, 64, txn=T1), e(1, 127, txn=T2), e(1, 128, txn=T1, producer=1, seq=63),
+                    e(1, 129, txn=T1, producer=1, seq=63), e(1, 190, "COMMIT", T1), e(1, 191, txn=T1), e(1, 192, txn=T1),
+                    e(2, 0, txn=T1), e(2, 64, txn=T2), e(2, 127, "COMMIT", T2)],
+    "kept-bit-62-retry-at-63": [e(1, 62, txn=T2, producer=2, seq=0), e(1, 63, txn=T2, producer=2, seq=0),
+                                e(1, 200, "COMMIT", T2)],
+    "ongoing-from-bit-63": [e(1, 0), e(1, 63, txn=T3), e(1, 64, txn=T3)],
+    # a sequence id sent three times next to ids sent twice, at bucket edges (63, 64, 127)
+    "sequence-thrice": [e(1, 0, producer=1, seq=64), e(1, 1, producer=1, seq=64), e(1, 2, producer=1, seq=64),
+                        e(1, 3, producer=1, seq=63), e(1, 4, producer=1, seq=127), e(1, 5, txn=T1, producer=1, seq=127),
+                        e(1, 6, producer=1, seq=65), e(2, 0, producer=1, seq=63), e(2, 1, "COMMIT", T1)],
     # the readers
     "hanging": HANGING,
     "hanging-then-committed": HANGING + [e(1, 6, "COMMIT", T1)],
@@ -338,9 +351,9 @@ def topic_history(draw, topic: str) -> list[LogEntry]:
         st.sampled_from(["DATA"] * 4 + ["COMMIT", "ABORT"]),
         st.sampled_from(TXNS),
         st.sampled_from([None, 1, 2]),  # producer, shared by topics
-        st.integers(0, 4),  # sequence
+        st.sampled_from([0, 1, 2, 3, 4, 63, 64, 127]),  # sequence; the Spark jobs bucket ids by 64
         st.integers(0, 5),  # 0 starts a new ledger
-        st.sampled_from([1] * 9 + [2]),  # entry step: a rare gap
+        st.sampled_from([1] * 8 + [2, 62]),  # entry step: a rare gap, a jump across a block of 64 entries
     ), min_size=3, max_size=25))
     ledger, entry, out = draw(st.sampled_from([0, 1, 3, BIG])), 0, []
     for kind, txn, producer, seq, roll, step in steps:
