@@ -482,7 +482,6 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     txns = txns_from_ledger_txns(folded).cache()
     facts = BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), folded, last_entries, txns, blocks)
     stable = stable_from_facts(facts).cache()
-    # Read once for the sequence ranges: whether any group has gaps decides if entries are read again.
     spans = sequence_spans(narrow, duplicates).cache()
     try:
         markers = markers_from_facts(facts)
@@ -498,7 +497,6 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
             pending = kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi")
             rows = rows.unionByName(pending.select(*LEDGER_ENTRY_COLUMNS))
             visible_from = blocks.unionByName(ledger_txn_blocks(pending.select(*NARROW_COLUMNS)))
-        gaps = spans.filter(spans_with_gaps()).limit(1).count() > 0
         written = {
             TXN_MARKERS: markers,
             ABORTED_TXNS: aborted,
@@ -506,7 +504,9 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
-            BUFFER_SEQUENCE_RANGES: ranges_from_spans(spans, narrow, duplicates, gaps),
+            # Whether any group has gaps decides if the entries are read again.
+            BUFFER_SEQUENCE_RANGES: lambda: ranges_from_spans(spans, narrow, duplicates,
+                                                              spans.filter(spans_with_gaps()).limit(1).count() > 0),
             BUFFER_LEDGER_TXNS: scope_ledger_txns,
         }
         driver = plan.size_bytes <= driver_write_max_bytes
@@ -542,7 +542,7 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
                          violations=computed.violations)
 
 
-def _write(wh, tables: Mapping[str, DataFrame | pa.Table], new_stable: Callable[[], list], old_stable, plan: ScopePlan,
+def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFrame]], new_stable: Callable[[], list], old_stable, plan: ScopePlan,
            after_write, driver: bool, flip_by_driver: bool) -> None:
     """Write one run's tables (Spark frames or Arrow tables) in the crash-safe order of the module doc."""
     full = old_stable is None
@@ -550,6 +550,8 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table], new_stable: Callable[
 
     def write(table: str, whole: bool = full, commit_metadata: dict[str, str] | None = None) -> None:
         frame = tables[table]
+        if callable(frame):  # built when its turn comes (it runs a Spark job to decide its plan)
+            frame = frame()
         # Both predicates are plain SQL that Spark and delta-rs read alike.
         where = None if whole else ledger_ids_predicate(LEDGER_COLUMN[table], replaced)
         if isinstance(frame, pa.Table):

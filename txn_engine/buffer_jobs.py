@@ -432,27 +432,22 @@ def committed_txns(txns: DataFrame) -> DataFrame:
 
 
 def visible_blocks(blocks: DataFrame, committed: DataFrame) -> DataFrame:
-    """The blocks (`ledger_txn_blocks`) whose kept DATA a read-committed reader sees, with what numbers their rows.
+    """The blocks (`ledger_txn_blocks`) of the transactions in `committed` that begin before the
+    commit marker, with `visible_ledger_id`, `visible_entry_id` and `_offset`: the transaction's
+    kept entries in its earlier blocks.
 
-    Non-transactional blocks as they are; the blocks of a transaction of `committed` that begin
-    before its commit marker, with `visible_ledger_id`, `visible_entry_id` and `_offset`: the
-    transaction's kept entries in its earlier blocks. A row's `local_seq` is `_offset` plus its
-    block's kept entries before it. Blocks after the marker are left out, and those numbered are
-    all before it, so late data changes no number.
+    A row's `local_seq` is `_offset` plus its block's kept entries before it. Blocks after the
+    marker are left out, and those numbered are all before it, so late data changes no number.
     """
-    kept = blocks.filter(F.col("kept_bits") != 0).select(*BLOCK_KEY, "kept_count", "kept_bits")
     earlier = Window.partitionBy(*TXN_KEY).orderBy("ledger_id", "block").rowsBetween(Window.unboundedPreceding, -1)
-    numbered = (
-        kept.filter(has_txn())
+    return (
+        blocks.filter(has_txn() & (F.col("kept_bits") != 0))
+        .select(*BLOCK_KEY, "kept_count", "kept_bits")
         .join(committed, list(TXN_KEY))
         .filter(position_lt(F.col("ledger_id"), F.col("block") * BLOCK_SIZE, F.col("visible_ledger_id"), F.col("visible_entry_id")))
         .withColumn("_offset", F.coalesce(F.sum("kept_count").over(earlier), F.lit(0).cast("long")))
+        .drop("kept_count")
     )
-    plain = kept.filter(~has_txn()).select(
-        *BLOCK_KEY, "kept_count", "kept_bits", F.lit(None).cast("long").alias("visible_ledger_id"),
-        F.lit(None).cast("long").alias("visible_entry_id"), F.lit(0).cast("long").alias("_offset"),
-    )
-    return numbered.unionByName(plain).drop("kept_count")
 
 
 def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, stable: DataFrame) -> DataFrame:
@@ -464,21 +459,31 @@ def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, sta
     in the ledgers it recomputes). Every block of a committed transaction before its marker must
     be in `blocks` (they number its rows), and the rows of those wanted in `rows`.
 
-    No row is shuffled: the visible blocks (about one row per transaction and ledger) are
-    broadcast and each row finds its block, its bit and its number there. A shuffle of full rows
-    by transaction, to number them in a window, was the costliest step of the full run.
+    No row is shuffled: the blocks a reader sees (about one row per transaction and ledger) are
+    broadcast, and each row finds its block, its bit and its number there. A shuffle of full rows
+    by transaction, to number them in a window, was the costliest step of the full run. Two
+    broadcasts, transactional and not, so that each row probes one with plain equality (a
+    null-safe key of both kinds doubled the key columns every row builds).
     """
-    keys = [f"_b_{c}" for c in BLOCK_KEY]
-    visible = visible_blocks(blocks, committed)
-    info = visible.select(*[F.col(c).alias(k) for c, k in zip(BLOCK_KEY, keys)], "kept_bits", "visible_ledger_id",
-                          "visible_entry_id", "_offset")
-    row_key = [*[F.col(c) for c in LEDGER_TXN_KEY], block_of(F.col("entry_id"))]
-    same_block = reduce(lambda a, b: a & b, [c.eqNullSafe(F.col(k)) for c, k in zip(row_key, keys)])
-    joined = rows.filter(is_data()).join(F.broadcast(info), same_block)
+    in_txn = visible_blocks(blocks, committed).select(
+        *[F.col(c).alias(f"_t_{c}") for c in BLOCK_KEY], F.col("kept_bits").alias("_t_bits"),
+        "visible_ledger_id", "visible_entry_id", "_offset")
+    plain = blocks.filter(~has_txn() & (F.col("kept_bits") != 0)).select(
+        *[F.col(c).alias(f"_p_{c}") for c in ("topic", "ledger_id", "block")], F.col("kept_bits").alias("_p_bits"))
     entry = F.col("entry_id")
-    kept = F.col("kept_bits").bitwiseAND(entry_bit(entry)) != 0
+    block = block_of(entry)
+    txn_match = reduce(lambda a, b: a & b, [F.col(c) == F.col(f"_t_{c}") for c in LEDGER_TXN_KEY]) & (block == F.col("_t_block"))
+    # Null for transactional rows: they skip this probe.
+    plain_row = lambda column: F.when(~has_txn(), column)  # noqa: E731
+    plain_match = ((plain_row(F.col("topic")) == F.col("_p_topic")) & (plain_row(F.col("ledger_id")) == F.col("_p_ledger_id"))
+                   & (block == F.col("_p_block")))
+    joined = (rows.filter(is_data())
+              .join(F.broadcast(in_txn), txn_match, "left")
+              .join(F.broadcast(plain), plain_match, "left"))
+    bits = F.coalesce(F.col("_t_bits"), F.col("_p_bits"))
+    kept = bits.bitwiseAND(entry_bit(entry)) != 0
     before_marker = ~has_txn() | position_lt(F.col("ledger_id"), entry, F.col("visible_ledger_id"), F.col("visible_entry_id"))
-    local_seq = F.when(has_txn(), F.col("_offset") + F.bit_count(F.col("kept_bits").bitwiseAND(bits_before(entry))))
+    local_seq = F.when(has_txn(), F.col("_offset") + F.bit_count(bits.bitwiseAND(bits_before(entry))))
     read = joined.filter(kept & before_marker).select(
         *LEDGER_ENTRY_COLUMNS,
         F.coalesce("visible_ledger_id", "ledger_id").alias("visible_ledger_id"),
