@@ -35,6 +35,10 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     # against 15.1-15.5 s (A/B, alternating processes; docs/benchmarks.md).
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC",
     "spark.sql.shuffle.partitions": "8",
+    # Cached frames (the buffer's narrow facts) stay uncompressed: building the compressed column
+    # batches cost more than the memory saved is worth here (the buffer's full run at 10M: facts
+    # 14.9-15.6 s against 16.5-17.0 s, A/B in one process, docs/benchmarks.md).
+    "spark.sql.inMemoryColumnarStorage.compressed": "false",
     "spark.default.parallelism": "4",
     "spark.sql.adaptive.enabled": "true",
     "spark.sql.session.timeZone": "UTC",
