@@ -248,10 +248,11 @@ def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: Data
 def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
     """One row: the count of each violation whose entry lies in the recomputed ledgers (`facts.entries`).
 
-    `facts.blocks` are the scope's blocks. A marker counts where it is: `duplicate_marker` for each marker of the scope that is not its
-    transaction's first, `marker_without_data` for first markers of the scope with no kept data
-    before them. Summed over the runs of a history they give the full run's totals. Global
-    aggregates, not per topic: a run reports totals, and grouping by topic cost shuffles and joins.
+    `facts.blocks` are the scope's blocks. A marker counts where it is: `duplicate_marker` for each
+    marker of the scope that is not its transaction's first, `marker_without_data` for first
+    markers of the scope with no kept data before them. Summed over the runs of a history they give
+    the full run's totals. Global aggregates, not per topic: a run reports totals, and grouping by
+    topic cost shuffles and joins.
     """
     txns = facts.txns.select(
         *TXN_KEY, "marker_ledger_id", "marker_entry_id", "first_data_ledger_id", "first_data_entry_id"
