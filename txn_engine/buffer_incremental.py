@@ -87,6 +87,8 @@ from txn_engine.buffer_jobs import (
     require_ledger_entries,
     stable_from_facts,
     txns_from_ledger_txns,
+    violation_totals,
+    violations_from_facts,
 )
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, overwrite_small, sql_string
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
@@ -514,7 +516,10 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
         _write(wh, written, lambda: stable.collect(), old_stable, plan, after_write, driver,
                plan.log_bytes <= driver_write_max_bytes)
-        counts = scoped_violation_totals(facts, scope_ledger_txns).first()
+        # A full run's scope is every ledger: the totals fold from the transactions alone, without
+        # joining each ledger's marker rows with them.
+        counts = violation_totals(violations_from_facts(facts)) if full else scoped_violation_totals(
+            facts, scope_ledger_txns).first().asDict()
         ledgers = (sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full
                    else sorted(plan.ledgers))
         return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark",
