@@ -83,6 +83,17 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 
 
+# What a row of a narrow table (ids, positions, counts, a topic name; no payload) is taken to
+# cost as Arrow in the driver, to bound such a table by DRIVER_WRITE_MAX_BYTES.
+NARROW_ROW_BYTES = 128
+
+
+def fits_driver(frame: DataFrame, max_bytes: int = DRIVER_WRITE_MAX_BYTES, row_bytes: int = NARROW_ROW_BYTES) -> bool:
+    """Whether `frame` (rows of at most `row_bytes`) is small enough to collect in the driver: one
+    Spark job, a count (cheap on a cached frame, as the buffer's facts are)."""
+    return frame.count() * row_bytes <= max_bytes
+
+
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,
                     commit_metadata: dict[str, str] | None = None) -> int:
     """Write a result small enough for the driver (a row per ledger or topic, a small run's tables)
