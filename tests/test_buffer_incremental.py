@@ -29,7 +29,7 @@ from tests.test_buffer_jobs import (
     rows_by_topic,
 )
 from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer
-from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables
+from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -169,33 +169,33 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
 
 def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark, warehouse):
     # Entries by Spark, the narrow tables (a row per transaction, per topic...) by delta-rs when
-    # they fit: the same rows as a run that writes every table by Spark, and as the reference.
-    entries = [e(1, 0, txn=T1, producer=1, seq=0, topic="a"), e(1, 1, txn=T2, topic="a"), e(1, 2, producer=1, seq=0, topic="a"),
-               e(1, 3, "COMMIT", T1, topic="a"), e(2, 0, txn=T3, topic="b"), e(2, 1, "ABORT", T3, topic="b"), e(2, 2, topic="b")]
+    # they fit; the rows are the reference's, and the next (incremental) run reads that state.
+    first = [e(1, 0, txn=T1, producer=1, seq=0, topic="a"), e(1, 1, txn=T2, topic="a"), e(1, 2, producer=1, seq=0, topic="a"),
+             e(1, 3, "COMMIT", T1, topic="a"), e(2, 0, txn=T3, topic="b"), e(2, 1, "ABORT", T3, topic="b"), e(2, 2, topic="b")]
+    later = [e(3, 0, txn=T2, producer=1, seq=1, topic="a"), e(3, 1, "COMMIT", T2, topic="a")]
     # Payloads of 1 KB: a log of a few KB, its narrow tables a few rows.
-    entries = [replace(x, payload=bytes(1024) + x.payload) if x.payload else x for x in entries]
-    append(warehouse, spark, entries)
+    first = [replace(x, payload=bytes(1024) + x.payload) if x.payload else x for x in first]
+    append(warehouse, spark, first)
     log_bytes = sum(r.size_bytes for r in inventory(warehouse).collect())
     # Below the log's size, above any of its narrow tables (a few rows of NARROW_ROW_BYTES).
     assert log_bytes - 1 >= 7 * NARROW_ROW_BYTES
-    tables = DeltaTables(warehouse)
-    engines = {}
-    for max_bytes in (0, log_bytes - 1):
-        result = refresh(warehouse, full=True, driver_write_max_bytes=max_bytes)
-        assert (result.full, result.written_by) == (True, "spark")
-        engines[max_bytes] = {t: tables.last_commit(t)["engineInfo"].split(":")[0].split("/")[0]
-                              for t in (*TABLES, *STATE_TABLES)}
-        if max_bytes:
-            assert stored_rows(warehouse) == all_by_spark
-        else:
-            all_by_spark = stored_rows(warehouse)
-            assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(entries).items()}
+    result = refresh(warehouse, full=True, driver_write_max_bytes=log_bytes - 1)
+    assert (result.full, result.written_by) == (True, "spark")
     # Spark's Delta writer names itself "Apache-Spark/...", delta-rs "delta-rs:...". No table is
     # empty here (an empty one fits the driver whatever the bound): T2's entry is pending.
-    spark_only = {t: "Apache-Spark" for t in (*TABLES, *STATE_TABLES)}
-    assert engines[0] == spark_only
-    assert engines[log_bytes - 1] == {t: "Apache-Spark" if t in (COMMITTED_ENTRIES, BUFFER_PENDING_ENTRIES) else "delta-rs"
-                                      for t in spark_only}
+    tables = DeltaTables(warehouse)
+    engines = {t: tables.last_commit(t)["engineInfo"].split(":")[0].split("/")[0] for t in (*TABLES, *STATE_TABLES)}
+    assert engines == {t: "Apache-Spark" if t in (COMMITTED_ENTRIES, BUFFER_PENDING_ENTRIES) else "delta-rs" for t in engines}
+    assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first).items()}
+    append(warehouse, spark, later)
+    assert refresh(warehouse).ledgers == [3]
+    assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
+
+
+def test_fits_driver_bounds_rows_by_their_bytes(spark):
+    three = spark.range(3)
+    assert fits_driver(three, 3 * NARROW_ROW_BYTES) and not fits_driver(three, 3 * NARROW_ROW_BYTES - 1)
+    assert fits_driver(three.limit(0), 0)
 
 
 def snapshot_of_reference(entries: list[LogEntry]) -> dict[str, list[tuple]]:
