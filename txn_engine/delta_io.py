@@ -90,8 +90,9 @@ NARROW_ROW_BYTES = 128
 
 def fits_driver(frame: DataFrame, max_bytes: int = DRIVER_WRITE_MAX_BYTES, row_bytes: int = NARROW_ROW_BYTES) -> bool:
     """Whether `frame` (rows of at most `row_bytes`) is small enough to collect in the driver: one
-    Spark job, a count (cheap on a cached frame, as the buffer's facts are)."""
-    return frame.count() * row_bytes <= max_bytes
+    Spark job, a count (cheap on a cached frame, as the buffer's facts are), unless a bound below
+    one row answers without it."""
+    return max_bytes >= row_bytes and frame.count() * row_bytes <= max_bytes
 
 
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,
