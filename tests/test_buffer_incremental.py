@@ -171,14 +171,17 @@ def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark,
     # Entries by Spark, the narrow tables (a row per transaction, per topic...) by delta-rs when
     # they fit; the rows are the reference's, and the next (incremental) run reads that state.
     first = [e(1, 0, txn=T1, producer=1, seq=0, topic="a"), e(1, 1, txn=T2, topic="a"), e(1, 2, producer=1, seq=0, topic="a"),
-             e(1, 3, "COMMIT", T1, topic="a"), e(2, 0, txn=T3, topic="b"), e(2, 1, "ABORT", T3, topic="b"), e(2, 2, topic="b")]
-    later = [e(3, 0, txn=T2, producer=1, seq=1, topic="a"), e(3, 1, "COMMIT", T2, topic="a")]
+             e(1, 3, "COMMIT", T1, topic="a"), e(2, 0, txn=T3, topic="b"), e(2, 1, "ABORT", T3, topic="b"), e(2, 2, topic="b"),
+             # A gap in producer 2's sequence ids: its ranges are read from the entries again (and cached, being counted).
+             e(2, 3, producer=2, seq=0, topic="b"), e(2, 4, producer=2, seq=2, topic="b")]
+    later = [e(3, 0, txn=T2, producer=1, seq=1, topic="a"), e(3, 1, "COMMIT", T2, topic="a"),
+             e(4, 0, producer=2, seq=2, topic="b"), e(4, 1, producer=2, seq=1, topic="b")]  # a repeat, then the gap filled
     # Payloads of 1 KB: a log of a few KB, its narrow tables a few rows.
     first = [replace(x, payload=bytes(1024) + x.payload) if x.payload else x for x in first]
     append(warehouse, spark, first)
     log_bytes = sum(r.size_bytes for r in inventory(warehouse).collect())
     # Below the log's size, above any of its narrow tables (a few rows of NARROW_ROW_BYTES).
-    assert log_bytes - 1 >= 7 * NARROW_ROW_BYTES
+    assert log_bytes - 1 >= len(first) * NARROW_ROW_BYTES
     result = refresh(warehouse, full=True, driver_write_max_bytes=log_bytes - 1)
     assert (result.full, result.written_by) == (True, "spark")
     # Spark's Delta writer names itself "Apache-Spark/...", delta-rs "delta-rs:...". No table is
@@ -188,7 +191,7 @@ def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark,
     assert engines == {t: "Apache-Spark" if t in (COMMITTED_ENTRIES, BUFFER_PENDING_ENTRIES) else "delta-rs" for t in engines}
     assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first).items()}
     append(warehouse, spark, later)
-    assert refresh(warehouse).ledgers == [3]
+    assert refresh(warehouse).ledgers == [3, 4]
     assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
 
 

@@ -493,6 +493,18 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     facts = BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), folded, last_entries, txns, blocks)
     stable = stable_from_facts(facts).cache()
     spans = sequence_spans(narrow, duplicates).cache()
+    gappy_ranges: list[DataFrame] = []  # cached when built, unpersisted with the facts
+
+    def sequence_ranges() -> DataFrame:
+        # Whether any group has gaps decides if the entries are read again; if they are, the
+        # result is cached: `fits_driver` counts it before it is written.
+        gaps = spans.filter(spans_with_gaps()).limit(1).count() > 0
+        ranges = ranges_from_spans(spans, narrow, duplicates, gaps)
+        if not gaps:
+            return ranges
+        gappy_ranges.append(ranges.cache())
+        return gappy_ranges[-1]
+
     try:
         markers = markers_from_facts(facts)
         aborted = aborted_from_facts(facts)
@@ -514,9 +526,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
-            # Whether any group has gaps decides if the entries are read again.
-            BUFFER_SEQUENCE_RANGES: lambda: ranges_from_spans(spans, narrow, duplicates,
-                                                              spans.filter(spans_with_gaps()).limit(1).count() > 0),
+            BUFFER_SEQUENCE_RANGES: sequence_ranges,
             BUFFER_LEDGER_TXNS: scope_ledger_txns,
         }
         driver = plan.size_bytes <= driver_write_max_bytes
@@ -547,7 +557,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
                              deleted_ledgers=sorted(plan.deleted), recomputed_topics=sorted(plan.topics),
                              violations={v: int(counts[v] or 0) for v in VIOLATIONS})
     finally:
-        for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans):
+        for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans, *gappy_ranges):
             frame.unpersist()
 
 
