@@ -137,10 +137,14 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
 # -- named scenarios ---------------------------------------------------------------------------
 
 # Small incremental runs are computed in Arrow and written by delta-rs; big ones on Spark: both paths, same tables.
+# On Spark as past the broadcast bound too (committed rows joined with their blocks by shuffle):
+# the rows of older ledgers a commit makes visible come from the pending state there.
 @pytest.mark.parametrize("driver_write_max_bytes, written_by, computed_by", [(1 << 20, "driver", "arrow"),
                                                                                (0, "spark", "spark")])
 def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse, driver_write_max_bytes,
                                                                                 written_by, computed_by):
+    bounds = {"driver_write_max_bytes": driver_write_max_bytes, "broadcast_max_bytes": driver_write_max_bytes}
+
     # A transaction spanning ledgers 1 -> 3 (its data in 1 reaches committed_entries from the
     # pending state), a retried send in ledger 3 repeating ledger 1's sequence, a hanging
     # transaction released by ledger 3: the stable position moves and old rows become readable.
@@ -149,18 +153,18 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     later = [e(3, 0, txn=T1, producer=1, seq=0, topic="a"), e(3, 1, txn=T1, topic="a"), e(3, 2, "COMMIT", T1, topic="a"),
              e(3, 3, "ABORT", T2, topic="a"), e(4, 0, topic="b")]
     append(warehouse, spark, first)
-    first_run = refresh(warehouse, driver_write_max_bytes=driver_write_max_bytes)
+    first_run = refresh(warehouse, **bounds)
     assert (first_run.full, first_run.written_by) == (True, written_by)
     before = {r.topic: (r.max_read_ledger_id, r.max_read_entry_id) for r in warehouse.read(STABLE_POSITIONS).collect()}
     assert before == {"a": (1, -1), "b": (2, 0)}
     append(warehouse, spark, later)
-    result = refresh(warehouse, driver_write_max_bytes=driver_write_max_bytes)
+    result = refresh(warehouse, **bounds)
     # Ledgers 1 and 2 unchanged: not reread.
     assert (result.full, result.ledgers, result.written_by, result.computed_by) == (False, [3, 4], written_by, computed_by)
     assert result.violations["duplicate"] == 1
     incremental = snapshot(warehouse)
     assert incremental == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
-    assert refresh(warehouse, full=True, driver_write_max_bytes=driver_write_max_bytes).full
+    assert refresh(warehouse, full=True, **bounds).full
     assert snapshot(warehouse) == incremental
     committed = warehouse.read(COMMITTED_ENTRIES).filter("topic = 'a'").orderBy("visible_ledger_id", "visible_entry_id", "local_seq")
     assert [(r.ledger_id, r.entry_id, r.local_seq, r.in_stable_prefix) for r in committed.collect()] == [

@@ -22,6 +22,7 @@ from txn_engine.buffer_jobs import (
     aborted_txns,
     buffer_violations,
     committed_entries,
+    committed_from_facts,
     compute_buffer_tables,
     stable_positions,
     txn_markers,
@@ -279,6 +280,31 @@ def test_standalone_functions_equal_the_reference(spark):
     assert buffer_violations(entries) == {v: totals[v] for v in VIOLATIONS}
 
 
+def planned_joins(spark, frame_: DataFrame) -> list[str]:
+    """The joins Spark plans for `frame_` when it broadcasts nothing unasked, as it does not for big sides."""
+    spark.conf.set("spark.sql.autoBroadcastJoinThreshold", "-1")
+    try:
+        plan = frame_._jdf.queryExecution().sparkPlan()
+    finally:
+        spark.conf.unset("spark.sql.autoBroadcastJoinThreshold")
+
+    def joins(node) -> list[str]:  # the plan's own nodes: cached frames are leaves here
+        children = node.children()
+        below = [j for i in range(children.size()) for j in joins(children.apply(i))]
+        return ([node.nodeName()] if "Join" in node.nodeName() else []) + below
+    return joins(plan)
+
+
+def test_committed_entries_past_the_broadcast_bound_are_joined_by_shuffle(spark, scenarios, scenario_entries):
+    # A history whose blocks would not fit a broadcast: each full row goes to its block by shuffle.
+    # Forced here with a bound of 0; the rows are the reference's, as with the broadcast.
+    tables, _, _ = scenarios
+    shuffled = committed_from_facts(tables.facts, tables.stable_positions, broadcast_max_bytes=0)
+    # Broadcast: only the stable positions (a row per topic). Below the bound the blocks are too.
+    assert planned_joins(spark, shuffled) == ["BroadcastHashJoin", "SortMergeJoin", "SortMergeJoin", "SortMergeJoin"]
+    assert rows_by_topic(shuffled) == expected_tables(scenario_entries)["committed_entries"]
+
+
 def test_non_transactional_entries_are_visible_at_their_own_position(scenarios):
     _, _, actual = scenarios
     rows = actual["committed_entries"]["non-transactional"]
@@ -403,6 +429,9 @@ def test_random_histories_equal_the_reference(spark, histories):
         for counts in expected["violations"].values():
             totals.update(dict(zip(VIOLATIONS, counts)))
         assert tables.violations == {v: totals[v] for v in VIOLATIONS}
+        # The path past the broadcast bound (rows joined with their blocks by shuffle) reads the same rows.
+        shuffled = rows_by_topic(committed_from_facts(tables.facts, tables.stable_positions, broadcast_max_bytes=0))
+        assert shuffled == expected["committed_entries"], [brief(h) for h in histories]
     finally:
         tables.unpersist()
 

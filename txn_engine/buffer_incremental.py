@@ -66,6 +66,7 @@ from pyspark.sql import functions as F
 
 from txn_engine import buffer_arrow
 from txn_engine.buffer_jobs import (
+    BROADCAST_MAX_BYTES,
     DUPLICATE_COLUMNS,
     NARROW_COLUMNS,
     SEQUENCE_KEY,
@@ -73,6 +74,7 @@ from txn_engine.buffer_jobs import (
     VIOLATIONS,
     BufferFacts,
     aborted_from_facts,
+    blocks_fit_broadcast,
     blocks_of,
     committed_txns,
     conform,
@@ -432,6 +434,7 @@ def refresh_buffer(
     full: bool = False,
     after_write: Callable[[str], None] | None = None,
     driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
+    broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
 ) -> BufferRefresh:
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
@@ -440,7 +443,8 @@ def refresh_buffer(
     DELETED rows, as Arrow; or a DataFrame). An incremental run over at most
     `driver_write_max_bytes` of entries is computed in Arrow and written through the driver
     (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`): with an Arrow inventory it starts no Spark job.
-    Others run on Spark.
+    Others run on Spark; there `broadcast_max_bytes` bounds the blocks broadcast to the full rows
+    of `committed_entries` (`buffer_jobs.blocks_fit_broadcast`).
     """
     full = full or not _has_state(wh)
     if full:
@@ -448,7 +452,7 @@ def refresh_buffer(
         require_ledger_entries(entries_all)
         # Planned against an empty state: every ledger counts, so size_bytes is the whole log's.
         plan = plan_scope(inventory, {}, ())._replace(ledgers=set())
-        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes)
+        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
     # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
     # read by delta-rs, without the Spark jobs of a Delta scan.
     tables = DeltaTables(wh)
@@ -466,13 +470,14 @@ def refresh_buffer(
     entries = entries_all.filter(F.col("ledger_id").isin(sorted(plan.ledgers))).cache()
     kept_state = {t: wh.read(t).filter(~F.col("ledger_id").isin(replaced)) for t in STATE_TABLES}
     try:
-        return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, driver_write_max_bytes)
+        return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, driver_write_max_bytes,
+                                 broadcast_max_bytes)
     finally:
         entries.unpersist()
 
 
-def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write, driver_write_max_bytes: int
-                      ) -> BufferRefresh:
+def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write, driver_write_max_bytes: int,
+                      broadcast_max_bytes: int) -> BufferRefresh:
     """The run on Spark: a full run (`kept_state` None), or an incremental one too big for the driver."""
     full = kept_state is None
     narrow = entries.select(*NARROW_COLUMNS)
@@ -522,7 +527,8 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         written = {
             TXN_MARKERS: markers,
             ABORTED_TXNS: aborted,
-            COMMITTED_ENTRIES: read_committed(rows, visible_from, committed, stable),
+            COMMITTED_ENTRIES: read_committed(rows, visible_from, committed, stable,
+                                              broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),

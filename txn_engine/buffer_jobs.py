@@ -35,7 +35,8 @@ How the work is laid out, and why (the payload is ~200 bytes a row, the other co
   each full row finds there whether it is kept and visible, and its `local_seq` (the count
   before its block plus the bits before its own). Late data is counted from the same bits.
   Numbering full rows in a window, as before, shuffled and sorted ~4M payloads: a third of the
-  full run.
+  full run. Past `BROADCAST_MAX_BYTES` of blocks (a history of about 20M entries) each row is
+  shuffled once to its block instead: a broadcast grows with the history and is held whole.
 - `compute_buffer_tables` caches the narrow facts and the stable positions, so writing the four
   tables reads the full rows only for `committed_entries`.
 
@@ -53,6 +54,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from txn_engine.delta_io import fits_driver
 from txn_engine.errors import TxnlakeError
 from txn_engine.schema import (
     ABORTED_TXNS_SCHEMA,
@@ -141,6 +143,20 @@ def lowest_entry(block: Column, bits: Column) -> Column:
     trailing = F.when(bits == F.lit(_MIN_LONG), F.lit(BLOCK_SIZE - 1)).otherwise(
         F.bit_count(F.bitwise_not(bits).bitwiseAND(bits - 1)))
     return block * BLOCK_SIZE + trailing
+
+
+# The blocks `read_committed` broadcasts to the full rows are held whole by the driver and by every
+# executor: at 10M entries 1.45M visible blocks made a 384 MiB hash relation (~280 bytes a block),
+# and it grows with the history (Spark refuses a broadcast past 8 GB; executors run out first).
+# Past this bound the rows are joined with their blocks by shuffle instead, each row once.
+BROADCAST_MAX_BYTES = 1 << 30
+BLOCK_BROADCAST_BYTES = 280
+
+
+def blocks_fit_broadcast(blocks: DataFrame, max_bytes: int = BROADCAST_MAX_BYTES) -> bool:
+    """Whether `read_committed` may broadcast `blocks` (`ledger_txn_blocks`; cached ones count cheaply):
+    every block with kept data counted, a bound of what both broadcasts hold."""
+    return fits_driver(blocks.filter(F.col("kept_bits") != 0), max_bytes, BLOCK_BROADCAST_BYTES)
 
 
 def conform(frame: DataFrame, schema: StructType) -> DataFrame:
@@ -412,9 +428,11 @@ def stable_from_facts(facts: BufferFacts) -> DataFrame:
     return conform(stable, STABLE_POSITIONS_SCHEMA)
 
 
-def committed_from_facts(facts: BufferFacts, stable: DataFrame) -> DataFrame:
+def committed_from_facts(facts: BufferFacts, stable: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
     """The read-committed view: kept DATA of no transaction or of a committed one, before its marker."""
-    return read_committed(facts.entries, blocks_of(facts), committed_txns(facts.txns), stable)
+    blocks = blocks_of(facts)
+    return read_committed(facts.entries, blocks, committed_txns(facts.txns), stable,
+                          broadcast=blocks_fit_broadcast(blocks, broadcast_max_bytes))
 
 
 def blocks_of(facts: BufferFacts) -> DataFrame:
@@ -450,7 +468,8 @@ def visible_blocks(blocks: DataFrame, committed: DataFrame) -> DataFrame:
     )
 
 
-def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, stable: DataFrame) -> DataFrame:
+def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, stable: DataFrame,
+                   broadcast: bool = True) -> DataFrame:
     """`committed_entries` from `ledger_entries` rows, their blocks (`ledger_txn_blocks`) and `committed_txns`.
 
     `rows` may hold any entries: a row is read when its block marks it kept DATA and it is
@@ -464,6 +483,10 @@ def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, sta
     by transaction, to number them in a window, was the costliest step of the full run. Two
     broadcasts, transactional and not, so that each row probes one with plain equality (a
     null-safe key of both kinds doubled the key columns every row builds).
+
+    With `broadcast=False` (blocks too many to broadcast: `blocks_fit_broadcast`) the same rows
+    come from joins by shuffle: the transactional rows with their transaction's blocks, the
+    others with theirs, so that each row is shuffled once.
     """
     in_txn = visible_blocks(blocks, committed).select(
         *[F.col(c).alias(f"_t_{c}") for c in BLOCK_KEY], F.col("kept_bits").alias("_t_bits"),
@@ -477,9 +500,13 @@ def read_committed(rows: DataFrame, blocks: DataFrame, committed: DataFrame, sta
     plain_row = lambda column: F.when(~has_txn(), column)  # noqa: E731
     plain_match = ((plain_row(F.col("topic")) == F.col("_p_topic")) & (plain_row(F.col("ledger_id")) == F.col("_p_ledger_id"))
                    & (block == F.col("_p_block")))
-    joined = (rows.filter(is_data())
-              .join(F.broadcast(in_txn), txn_match, "left")
-              .join(F.broadcast(plain), plain_match, "left"))
+    data = rows.filter(is_data())
+    if broadcast:
+        joined = data.join(F.broadcast(in_txn), txn_match, "left").join(F.broadcast(plain), plain_match, "left")
+    else:
+        # Inner joins: a row without its block is not read either way.
+        joined = data.filter(has_txn()).join(in_txn, txn_match).unionByName(
+            data.filter(~has_txn()).join(plain, plain_match), allowMissingColumns=True)
     bits = F.coalesce(F.col("_t_bits"), F.col("_p_bits"))
     kept = bits.bitwiseAND(entry_bit(entry)) != 0
     before_marker = ~has_txn() | position_lt(F.col("ledger_id"), entry, F.col("visible_ledger_id"), F.col("visible_entry_id"))
@@ -604,14 +631,15 @@ class BufferTables:
             self.violations_by_topic.unpersist()
 
 
-def compute_buffer_tables(entries: DataFrame) -> BufferTables:
-    """All four tables from one classification (see `BufferTables` for what is cached)."""
+def compute_buffer_tables(entries: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> BufferTables:
+    """All four tables from one classification (see `BufferTables` for what is cached;
+    `broadcast_max_bytes`: see `blocks_fit_broadcast`)."""
     facts = classify_entries(entries, persist=True)
     stable = stable_from_facts(facts).cache()
     return BufferTables(
         txn_markers=markers_from_facts(facts),
         stable_positions=stable,
         aborted_txns=aborted_from_facts(facts),
-        committed_entries=committed_from_facts(facts, stable),
+        committed_entries=committed_from_facts(facts, stable, broadcast_max_bytes),
         facts=facts,
     )
