@@ -606,7 +606,9 @@ class BufferTables:
     Cached (lazily, on first use): the duplicate positions, the per-(topic, ledger, txn) step,
     `txns` and `stable_positions`; all narrow. Write the small tables before `committed_entries`,
     so the cache is filled and Spark plans the big job with the exact size of the facts (it then
-    broadcasts the committed transactions when they are small). Call `unpersist()` when done.
+    broadcasts the committed transactions when they are small). Defining `committed_entries`
+    counts the cached blocks (one Spark job, which fills that cache), to choose between
+    broadcasting them and a shuffle (`blocks_fit_broadcast`). Call `unpersist()` when done.
     """
 
     txn_markers: DataFrame
