@@ -527,8 +527,10 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         written = {
             TXN_MARKERS: markers,
             ABORTED_TXNS: aborted,
-            COMMITTED_ENTRIES: read_committed(rows, visible_from, committed, stable,
-                                              broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
+            # Built when its turn comes: the blocks are cached by then, and their count (broadcast or
+            # shuffle) adds no job ahead of the facts'.
+            COMMITTED_ENTRIES: lambda: read_committed(rows, visible_from, committed, stable,
+                                                      broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
