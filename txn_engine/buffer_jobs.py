@@ -606,16 +606,21 @@ class BufferTables:
     Cached (lazily, on first use): the duplicate positions, the per-(topic, ledger, txn) step,
     `txns` and `stable_positions`; all narrow. Write the small tables before `committed_entries`,
     so the cache is filled and Spark plans the big job with the exact size of the facts (it then
-    broadcasts the committed transactions when they are small). Defining `committed_entries`
-    counts the cached blocks (one Spark job, which fills that cache), to choose between
-    broadcasting them and a shuffle (`blocks_fit_broadcast`). Call `unpersist()` when done.
+    broadcasts the committed transactions when they are small). `committed_entries` is defined
+    on first access: that counts the cached blocks (one Spark job), to choose between
+    broadcasting them and a shuffle (`blocks_fit_broadcast`), and a caller that never reads it
+    pays nothing. Call `unpersist()` when done.
     """
 
     txn_markers: DataFrame
     stable_positions: DataFrame
     aborted_txns: DataFrame
-    committed_entries: DataFrame
     facts: BufferFacts = field(repr=False)
+    broadcast_max_bytes: int = BROADCAST_MAX_BYTES
+
+    @cached_property
+    def committed_entries(self) -> DataFrame:
+        return committed_from_facts(self.facts, self.stable_positions, self.broadcast_max_bytes)
 
     @cached_property
     def violations_by_topic(self) -> DataFrame:
@@ -642,6 +647,6 @@ def compute_buffer_tables(entries: DataFrame, broadcast_max_bytes: int = BROADCA
         txn_markers=markers_from_facts(facts),
         stable_positions=stable,
         aborted_txns=aborted_from_facts(facts),
-        committed_entries=committed_from_facts(facts, stable, broadcast_max_bytes),
         facts=facts,
+        broadcast_max_bytes=broadcast_max_bytes,
     )
