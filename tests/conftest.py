@@ -1,4 +1,4 @@
-"""Shared fixtures: one real SparkSession for the whole run, a fresh warehouse per test."""
+"""Shared fixtures: one real SparkSession per test process (`make test` runs two), a fresh warehouse per test."""
 
 from __future__ import annotations
 
