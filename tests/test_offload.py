@@ -8,13 +8,14 @@ import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
 from tests.rows import entry, write_jsonl
+from tests.test_buffer_jobs import planned_joins
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
-from txn_engine.buffer_jobs import classify_entries, stable_from_facts
+from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES, classify_entries, stable_from_facts
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (
     AFTER_ENTRIES,
@@ -28,7 +29,9 @@ from txn_engine.offload import (
     _recorded_tables,
     _state_version,
     checksum_of,
+    classify_for_offload,
     content_checksum,
+    decided_txns,
     offload_ledgers,
 )
 from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
@@ -80,10 +83,12 @@ def states(warehouse):
 EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
 
 
-def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
+@pytest.mark.parametrize("broadcast_max_bytes", [BROADCAST_MAX_BYTES, 0], ids=["broadcast", "shuffle"])
+def test_eligibility_filtered_copy_and_manifest(history, tmp_path, broadcast_max_bytes):
+    # With the bound at 0 the decided transactions are joined with the rows by shuffle: the same outcome.
     warehouse = history
     started = time.perf_counter()
-    result = offload_ledgers(warehouse)
+    result = offload_ledgers(warehouse, broadcast_max_bytes=broadcast_max_bytes)
     wall = time.perf_counter() - started
     # Where the time went: every step, in order, and together no more than the call took.
     assert list(result.step_seconds) == list(OFFLOAD_STEPS)
@@ -113,6 +118,25 @@ def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
     assert got[("t", 2)] == "CLOSED" and got[("t", 4)] == "OPEN" and got[("v", 8)] == "OPEN"
     # The hot log is untouched by an offload.
     assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
+
+
+def test_decided_transactions_past_the_broadcast_bound_are_joined_by_shuffle(history, spark):
+    warehouse = history
+    entries = warehouse.read(LEDGER_ENTRIES)
+    facts = classify_entries(entries, persist=True)
+    try:
+        below = classify_for_offload(entries, decided_txns(facts.txns), facts.duplicates)
+        past = classify_for_offload(entries, decided_txns(facts.txns, broadcast_max_bytes=0), facts.duplicates)
+        # The duplicates are broadcast either way; the decided transactions only below the bound.
+        assert planned_joins(spark, below) == ["BroadcastHashJoin", "BroadcastHashJoin"]
+        assert planned_joins(spark, past) == ["SortMergeJoin", "BroadcastHashJoin"]
+        disposition = lambda frame: {(r.topic, r.ledger_id, r.entry_id): r.disposition for r in frame.collect()}  # noqa: E731
+        assert disposition(past) == disposition(below)
+        assert len(disposition(past)) == len(HISTORY)
+        assert set(disposition(past).values()) >= {"KEPT", "ABORTED", "MARKER"}
+    finally:
+        for frame in facts.cached_frames():
+            frame.unpersist()
 
 
 def test_checksum_is_the_exact_sum_of_the_row_hashes(spark):

@@ -145,10 +145,12 @@ def lowest_entry(block: Column, bits: Column) -> Column:
     return block * BLOCK_SIZE + trailing
 
 
-# The blocks `read_committed` broadcasts to the full rows are held whole by the driver and by every
-# executor: at 10M entries 1.45M visible blocks made a 384 MiB hash relation (~280 bytes a block),
-# and it grows with the history (Spark refuses a broadcast past 8 GB; executors run out first).
-# Past this bound the rows are joined with their blocks by shuffle instead, each row once.
+# A broadcast is held whole by the driver and by every executor, and one that grows with the history
+# (Spark refuses a broadcast past 8 GB; executors run out first) is made only while its rows, at
+# what one costs in the hash relation, fit this bound (`fits_driver`); past it the join shuffles.
+# The blocks `read_committed` broadcasts to the full rows: at 10M entries 1.45M visible blocks made
+# a 384 MiB hash relation (~280 bytes a block); past the bound each row goes to its block once.
+# The offload's decided transactions take the same bound (`offload.decided_txns`).
 BROADCAST_MAX_BYTES = 1 << 30
 BLOCK_BROADCAST_BYTES = 280
 

@@ -33,7 +33,8 @@ How the work is laid out, and why (writing Parquet costs several times what read
   markers (`drops_from_state`); the kept count must lie within the bounds the state gives, else
   the run stops before the manifest (`OffloadStateError`);
 - otherwise the offloaded ledgers' rows are classified against the duplicates and the decided
-  transactions, both broadcast (no full row is shuffled), and the kept ones written; the
+  transactions, both broadcast (no full row is shuffled; past `BROADCAST_MAX_BYTES` of decided
+  transactions the rows are joined with them by shuffle: `decided_txns`), and the kept ones written; the
   manifest is one aggregate over the same classification, recomputed rather than cached
   (re-reading the rows costs less than spilling them).
 
@@ -75,6 +76,7 @@ from txn_engine.buffer_incremental import (
     state_ledger_counts,
 )
 from txn_engine.buffer_jobs import (
+    BROADCAST_MAX_BYTES,
     NARROW_COLUMNS,
     TXN_KEY,
     BufferFacts,
@@ -86,7 +88,7 @@ from txn_engine.buffer_jobs import (
     stable_from_facts,
     txns_from_ledger_txns,
 )
-from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
+from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges_catalog, record_ledger_states
 from txn_engine.positions import Position
@@ -135,9 +137,10 @@ class OffloadStateError(TxnlakeError):
     """The buffer's tables disagree about a ledger being offloaded; its manifest row was not written."""
 
 
-# Up to this many decided transactions are broadcast to the offloaded rows (~100 bytes each in
-# the hash table: ~1.1 million at 10 million entries); beyond it Spark joins by shuffle.
-BROADCAST_TXNS_MAX = 5_000_000
+# What a decided transaction costs in the hash relation broadcast to the offloaded rows, to bound
+# that broadcast by `BROADCAST_MAX_BYTES` (`decided_txns`): at 10M entries 1,123,715 of them made
+# a 256 MiB relation (Spark's SQL metrics), so the bound is ~4.5M (a 5M-row bound before).
+DECIDED_TXN_BROADCAST_BYTES = 240
 
 
 # -- pure DataFrame logic -----------------------------------------------------------------------
@@ -161,6 +164,13 @@ def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
         .withColumn("waiting_reason", reason)
         .withColumn("eligible", F.col("waiting_reason").isNull())
     )
+
+
+def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
+    """The decided transactions of `txns` (`BufferFacts.txns`), marked for broadcast while they fit
+    `broadcast_max_bytes` (a count: cheap on the cached facts), else left to a join by shuffle."""
+    decided = txns.where(F.col("outcome").isNotNull())
+    return F.broadcast(decided) if fits_driver(decided, broadcast_max_bytes, DECIDED_TXN_BROADCAST_BYTES) else decided
 
 
 def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFrame) -> DataFrame:
@@ -330,11 +340,13 @@ def offload_ledgers(
     warehouse: Warehouse,
     ledger_ids: Iterable[int] | None = None,
     crash_hook: Callable[[str], None] | None = None,
+    broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
 ) -> OffloadResult:
     """Offload the eligible ledgers among `ledger_ids` (all ledgers when None), recovering first.
 
     `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
-    make it raise to simulate a crash there.
+    make it raise to simulate a crash there. `broadcast_max_bytes` bounds the decided transactions
+    broadcast to the offloaded rows when they are classified (`decided_txns`).
     """
     wh = warehouse
     lap = StepClock()
@@ -404,7 +416,7 @@ def offload_ledgers(
             # write is the only tier commit after the one checked (-1: there was no tier).
             clean_before = None if result.rolled_back_orphans else (-1 if tier_version is None else tier_version)
             ranges = {(r["topic"], r["ledger_id"]): r for r in catalog_rows}
-            copy = _Copy(wh, entries, sorted(targets), ranges, facts, recorded)
+            copy = _Copy(wh, entries, sorted(targets), ranges, facts, recorded, broadcast_max_bytes)
             result.manifest = _copy_ledgers(copy, stable_at, crash_hook, lap, clean_before)
         return result
     finally:
@@ -512,6 +524,7 @@ class _Copy:
     ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
     facts: BufferFacts | None
     recorded: RecordedBufferTables | None
+    broadcast_max_bytes: int = BROADCAST_MAX_BYTES
 
     def kept_rows(self) -> DataFrame:
         if self.recorded is not None:
@@ -565,9 +578,8 @@ class _Copy:
 
     @cached_property
     def _decided(self) -> DataFrame:
-        """The decided transactions, broadcast when few: once per run (the write and the counting pass share it)."""
-        decided = self.facts.txns.where(F.col("outcome").isNotNull())
-        return F.broadcast(decided) if decided.count() <= BROADCAST_TXNS_MAX else decided  # `txns` is cached: a cheap count
+        """The decided transactions, broadcast when they fit: decided once per run (the write and the counting pass share it)."""
+        return decided_txns(self.facts.txns, self.broadcast_max_bytes)
 
 
 def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, Row], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
