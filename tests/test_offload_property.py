@@ -15,7 +15,7 @@ from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import NARROW_COLUMNS, classify_entries
 from txn_engine.delta_io import ledger_predicate
 from txn_engine.ledgers import entry_size_bytes
-from txn_engine.offload import FROM_BUFFER_STATE, classify_for_offload, manifest_counts, offload_ledgers, row_hash
+from txn_engine.offload import FROM_BUFFER_STATE, classify_for_offload, decided_txns, manifest_counts, offload_ledgers, row_hash
 from txn_engine.positions import EARLIEST
 from txn_engine.reader import TopicReader
 from txn_engine.retention import RetentionPolicy, apply_retention
@@ -73,7 +73,7 @@ def manifest_by_classification(warehouse, ledgers) -> dict:
     facts = classify_entries(entries)
     sized = entries.where(ledger_predicate(ledgers)).select(*NARROW_COLUMNS, entry_size_bytes().alias("_bytes"),
                                                            row_hash().alias("_hash"))
-    classified = classify_for_offload(sized, facts.txns.where("outcome IS NOT NULL"), facts.duplicates)
+    classified = classify_for_offload(sized, decided_txns(facts.txns), facts.duplicates)
     return {(r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in manifest_counts(classified).collect()}
 
 

@@ -524,7 +524,7 @@ class _Copy:
     ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
     facts: BufferFacts | None
     recorded: RecordedBufferTables | None
-    broadcast_max_bytes: int = BROADCAST_MAX_BYTES
+    broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
 
     def kept_rows(self) -> DataFrame:
         if self.recorded is not None:
