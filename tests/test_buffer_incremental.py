@@ -7,6 +7,7 @@ full recompute, also after retention deletes a ledger and after a crash between 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -28,7 +29,7 @@ from tests.test_buffer_jobs import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer
+from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer, spark_jobs_beside
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.schema import (
@@ -239,6 +240,26 @@ def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, 
     result = refresh(warehouse)
     assert result.ledgers == [2]
     assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
+
+
+def test_jobs_beside_a_failed_write_are_interrupted_not_waited_for(spark):
+    """A run that crashes mid-write must not wait for the violation totals counted beside it."""
+    tracker = spark.sparkContext.statusTracker()
+    # Minutes of work on two cores: it can only end early by being interrupted.
+    endless = lambda: spark.range(0, 10**12, 1, 2).selectExpr("max(id)").first()  # noqa: E731
+    with pytest.raises(Crash, match="the write"):
+        with spark_jobs_beside(spark, endless, "test-beside") as scanning:
+            deadline = time.monotonic() + 120
+            while not tracker.getActiveJobsIds():  # the job is running before the body fails
+                assert time.monotonic() < deadline, "the job beside never started"
+                time.sleep(0.05)
+            raise Crash("the write")
+    assert scanning.done() and "cancel" in str(scanning.exception()).lower()
+    assert not tracker.getActiveJobsIds()
+    # When the body succeeds the work's result is there; the session works after an interrupt.
+    with spark_jobs_beside(spark, lambda: spark.range(7).count(), "test-beside") as counting:
+        assert spark.range(3).count() == 3
+    assert counting.result() == 7
 
 
 def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehouse):

@@ -54,14 +54,16 @@ after each table is written (tests inject crashes there).
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, Row, Window
+from pyspark.sql import Column, DataFrame, Row, SparkSession, Window
 from pyspark.sql import functions as F
 
 from txn_engine import buffer_arrow
@@ -553,8 +555,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         # the writes leave idle (the last task of a stage running alone, a driver-side commit). Full
         # run at 10M, alternating rounds: 43.9-50.9 s against 51.4-51.9 s one after the other.
         txns.count()  # the facts cached first, so the two jobs read them rather than both computing them
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="buffer-violations") as pool:
-            counting = pool.submit(totals)
+        with spark_jobs_beside(wh.spark, totals, "buffer-violations") as counting:
             # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
             _write(wh, written, lambda: stable.collect(), old_stable, plan, after_write, by_driver,
                    plan.log_bytes <= driver_write_max_bytes)
@@ -567,6 +568,42 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     finally:
         for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans, *gappy_ranges):
             frame.unpersist()
+
+
+T = TypeVar("T")
+
+
+@contextmanager
+def spark_jobs_beside(spark: SparkSession, work: Callable[[], T], name: str) -> Iterator[Future[T]]:
+    """Run `work` (Spark jobs) in a second thread while the body runs; yield its future.
+
+    If the body fails (a write crashes, the Dagster run is terminated), `work`'s jobs are
+    cancelled rather than waited for, and the body's error is what the caller sees: a failed
+    run returns at once, not after a count nobody will read. They carry a job tag of their own,
+    cancelled until the thread is done, which also catches a job that starts after the first
+    cancel. (SparkContext's job tags: on Spark classic 4.2 `SparkSession.interruptTag` found no
+    operation to interrupt and the job ran on.)
+    """
+    tag = f"txnlake-{name}-{uuid.uuid4().hex}"
+    context = spark.sparkContext
+
+    def tagged() -> T:
+        context.addJobTag(tag)  # per thread: only this thread's jobs carry it
+        try:
+            return work()
+        finally:
+            context.removeJobTag(tag)
+
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
+        future = pool.submit(tagged)
+        try:
+            yield future
+        except BaseException:
+            future.cancel()  # not started yet: it never will
+            while not future.done():
+                context.cancelJobsWithTag(tag)
+                wait([future], timeout=0.2)
+            raise
 
 
 def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row], plan: ScopePlan, after_write,
