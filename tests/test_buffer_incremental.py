@@ -11,7 +11,6 @@ import time
 from dataclasses import replace
 
 import pytest
-from delta.tables import DeltaTable
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -32,12 +31,14 @@ from tests.test_buffer_jobs import (
 from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer, spark_jobs_beside
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
+from txn_engine.retention import delete_ledger_rows
 from txn_engine.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
     BUFFER_PENDING_ENTRIES,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
+    LEDGER_ENTRY_COLUMNS,
     STABLE_POSITIONS,
     TXN_MARKERS,
 )
@@ -74,8 +75,8 @@ def stored_rows(wh) -> dict[str, list[tuple]]:
             for t in TABLES + STATE_TABLES}
 
 
-def reference_rows(entries: list[LogEntry]) -> dict:
-    expected = expected_tables(entries)
+def reference_rows(entries: list[LogEntry], deleted: list[int] = ()) -> dict:
+    expected = expected_tables(entries, deleted)
     return {k: v for k, v in expected.items() if k != "violations"}
 
 
@@ -88,8 +89,11 @@ def in_log_order(entries: list[LogEntry]) -> list[LogEntry]:
 
 
 def delete_ledgers(wh, ledger_ids: list[int]) -> None:
-    """What retention does to ledger_entries: the rows of the ledgers go."""
-    DeltaTable.forPath(wh.spark, wh.path(LEDGER_ENTRIES)).delete(f"ledger_id IN ({', '.join(map(str, ledger_ids))})")
+    """What retention does to the hot tables: the rows of these ledgers (of every topic) go."""
+    ids = set(ledger_ids)
+    pairs = sorted({(r.topic, r.ledger_id) for r in wh.read(LEDGER_ENTRIES).select("topic", "ledger_id").distinct().collect()
+                    if r.ledger_id in ids})
+    delete_ledger_rows(wh, pairs, through_driver=True)
 
 
 # Each example is a batch of histories (own topics), fed in 2 chunks, recomputed in full, then a
@@ -123,19 +127,83 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
     expected = expected_tables(entries)["violations"]
     assert result.violations == {v: sum(c[i] for c in expected.values()) for i, v in enumerate(VIOLATIONS)}
 
-    # Retention deletes the first ledger of some topics: the next run equals the reference over what is left.
+    # Retention deletes the first ledger of some topics: nothing else changes, as in the reference
+    # fed the whole log and then trimmed; a full recompute (on Spark) works on the facts the state kept.
     first = {}
     for x in entries:
         first.setdefault(x.topic, x.ledger_id)
     gone = sorted(set(data.draw(st.lists(st.sampled_from(sorted(set(first.values()))), min_size=1, max_size=3))))
     delete_ledgers(warehouse, gone)
-    left = [x for x in entries if x.ledger_id not in gone]
+    expected = reference_rows(entries, gone)
     result = refresh(warehouse)
-    assert result.deleted_ledgers == gone
-    assert actual_rows(warehouse) == reference_rows(left), f"after deleting {gone}: {[brief(h) for h in histories]}"
+    assert result.ledgers == [] and result.retained_ledgers == len({(x.topic, x.ledger_id) for x in entries if x.ledger_id in gone})
+    assert actual_rows(warehouse) == expected, f"after deleting {gone}: {[brief(h) for h in histories]}"
+    result = refresh(warehouse, full=True, driver_write_max_bytes=0)
+    assert (result.full, result.computed_by) == (True, "spark")
+    assert actual_rows(warehouse) == expected, f"full, after deleting {gone}: {[brief(h) for h in histories]}"
 
 
 # -- named scenarios ---------------------------------------------------------------------------
+
+def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehouse):
+    """Retention deletes ledgers; what the buffer decided about the rest stays, as in a broker.
+
+    Before, the topic was recomputed from what was left: late data of a transaction whose marker
+    was deleted reopened it and stalled the stable position for ever, and a retry whose first copy
+    (aborted) was deleted became readable.
+    """
+    first = [
+        # a: T1's late data in ledger 11 stays late once ledger 10 (its COMMIT) is gone.
+        e(10, 0, txn=T1, topic="a"), e(10, 1, "COMMIT", T1, topic="a"), e(11, 0, txn=T1, topic="a"), e(11, 1, topic="a"),
+        # r: the first copy of producer 1's sequence 5 was aborted; its retry stays a duplicate.
+        e(20, 0, txn=T1, producer=1, seq=5, topic="r"), e(20, 1, "ABORT", T1, topic="r"), e(21, 0, topic="r"),
+        e(21, 1, producer=1, seq=5, topic="r"),
+        # p: T1 spans the deleted ledger 30 and ledger 31, and commits after the deletion: its entry
+        # in 31 is read with local_seq 1, its deleted one not at all.
+        e(30, 0, txn=T1, topic="p"), e(30, 1, topic="p"), e(31, 0, txn=T1, topic="p"),
+        # s and b share ledger id 1; only s's goes. b's stays as it was, through a backfill of ledger 1.
+        e(1, 0, txn=T3, topic="s"), e(1, 1, "COMMIT", T3, topic="s"), e(2, 0, txn=T3, topic="s"), e(2, 1, topic="s"),
+        e(1, 0, txn=T2, topic="b"), e(1, 1, "COMMIT", T2, topic="b"), e(1, 2, "ABORT", T3, topic="b"), e(2, 0, topic="b"),
+    ]
+    later = [e(12, 0, txn=T2, topic="a"), e(12, 1, "COMMIT", T2, topic="a"), e(32, 0, "COMMIT", T1, topic="p"),
+             e(22, 0, producer=1, seq=6, topic="r")]
+    deleted = {"a": [10], "r": [20], "p": [30], "s": [1]}
+
+    def expected(entries):
+        by_topic = {}
+        for x in entries:
+            by_topic.setdefault(x.topic, []).append(x)
+        merged: dict = {}
+        for topic, rows in by_topic.items():
+            for table, per_topic in reference_rows(rows, deleted.get(topic, [])).items():
+                merged.setdefault(table, {}).update(per_topic)
+        return merged
+
+    append(warehouse, spark, first)
+    refresh(warehouse)
+    delete_ledger_rows(warehouse, [(t, ledger) for t, ids in deleted.items() for ledger in ids], through_driver=True)
+    nothing = refresh(warehouse)
+    assert (nothing.ledgers, nothing.retained_ledgers) == ([], 4)
+    assert actual_rows(warehouse) == expected(first)
+    stable_before = actual_rows(warehouse)[STABLE_POSITIONS]
+
+    append(warehouse, spark, later)
+    incremental = refresh(warehouse, ledgers=[1])  # with a backfill of ledger 1 (b's; s's is retained)
+    assert (incremental.computed_by, incremental.ledgers) == ("arrow", [1, 12, 22, 32])
+    tables = actual_rows(warehouse)
+    assert tables == expected(first + later)
+    visible = len(LEDGER_ENTRY_COLUMNS)  # committed_entries: then visible_ledger_id, visible_entry_id, local_seq
+    assert [r[visible:visible + 3] for r in tables[COMMITTED_ENTRIES]["p"] if r[1:3] == (31, 0)] == [(32, 0, 1)]
+    assert not [r for r in tables[COMMITTED_ENTRIES]["p"] if r[1] == 30]
+    assert tables[STABLE_POSITIONS]["a"][0][1:3] == (12, 1)  # T1's late data holds nothing back
+    for topic, ((_, ledger, entry, *_),) in stable_before.items():
+        assert tables[STABLE_POSITIONS][topic][0][1:3] >= (ledger, entry), f"{topic}'s stable position moved back"
+
+    full = refresh(warehouse, full=True, driver_write_max_bytes=0)  # on Spark, on top of the retained facts
+    assert (full.full, full.computed_by) == (True, "spark")
+    assert actual_rows(warehouse) == tables
+
+
 
 # Small incremental runs are computed in Arrow and written by delta-rs; big ones on Spark: both paths, same tables.
 # On Spark as past the broadcast bound too (committed rows joined with their blocks by shuffle):

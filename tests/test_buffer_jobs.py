@@ -80,18 +80,24 @@ def rows_by_topic(frame_: DataFrame) -> dict[str, list[tuple]]:
 
 # -- what the reference says, in the tables' row shapes -------------------------------------------
 
-def expected_tables(entries: Iterable[LogEntry]) -> dict[str, dict[str, Any]]:
-    """Per table, per topic: the reference's rows (sorted), and its violation counts."""
+def expected_tables(entries: Iterable[LogEntry], deleted: Iterable[int] = ()) -> dict[str, dict[str, Any]]:
+    """Per table, per topic: the reference's rows (sorted), and its violation counts.
+
+    `deleted`: ledgers retention then deleted (of every topic): the abort set trimmed, their
+    markers and entries gone from the tables, every other decision as it was.
+    """
     tables: dict[str, dict[str, Any]] = {name: {} for name in
                                          ("txn_markers", "aborted_txns", "stable_positions", "committed_entries",
                                           "violations")}
+    gone = set(deleted)
     for topic, buffer in replay(entries).items():
-        markers = [(topic, *m.txn, m.outcome, *m.position) for m in buffer.markers.values()]
+        buffer.trim_ledgers(gone)
+        markers = [(topic, *m.txn, m.outcome, *m.position) for m in buffer.markers.values() if m.position.ledger_id not in gone]
         aborts = [(topic, *txn, *position) for txn, position in buffer.aborts.items()]
         stable = [(topic, *buffer.max_read_position, *buffer.last_position, buffer.ongoing_txn_count)]
         committed = [tuple(getattr(c.entry, col) for col in LEDGER_ENTRY_COLUMNS) + (*c.visible, c.local_seq,
                                                                                      c.in_stable_prefix)
-                     for c in buffer.committed_entries()]
+                     for c in buffer.committed_entries() if c.entry.ledger_id not in gone]
         for name, rows in (("txn_markers", markers), ("aborted_txns", aborts), ("stable_positions", stable),
                            ("committed_entries", committed)):
             if rows:

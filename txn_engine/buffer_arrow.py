@@ -323,6 +323,16 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
 _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id", "local_seq"]
 
 
+def without_ledgers(rows: pa.Table, ledgers: Iterable[tuple[str, int]]) -> pa.Table:
+    """`rows` but those of these (topic, ledger_id) pairs."""
+    pairs = sorted(set(ledgers))
+    if not pairs:
+        return rows
+    gone = pa.table({"topic": pa.array([t for t, _ in pairs], rows.schema.field("topic").type),
+                     "ledger_id": pa.array([ledger for _, ledger in pairs], pa.int64())})
+    return rows.join(gone, ["topic", "ledger_id"], join_type="left anti").select(rows.column_names)
+
+
 def kept_txn_data(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
     """The transactional DATA rows of `narrow` that are not duplicates (`duplicate` is by `_row`)."""
     return narrow.filter(pc.and_(pc.and_(is_data(narrow), has_txn(narrow)), pa.array(~duplicate[narrow["_row"].to_numpy()])))
@@ -415,7 +425,8 @@ StateReader = Callable[[str, pc.Expression], pa.Table]
 
 
 def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, old_stable: Mapping[str, int],
-                 ledgers: Iterable[tuple[str, int, int]]) -> ScopeTables:
+                 ledgers: Iterable[tuple[str, int, int]], spared: Iterable[tuple[str, int]] = (),
+                 retained: Iterable[tuple[str, int]] = ()) -> ScopeTables:
     """The incremental run over `entries` (every entry of the scope's ledgers, full rows).
 
     `read_state(table, filter)`: the rows of a state table that match `filter` (a pyarrow
@@ -424,7 +435,10 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
     sequence ranges of the scope's producers, the `buffer_ledger_txns` rows of the transactions
     the scope touches or that may be ongoing (`txns_to_refold` decides exactly among them), the
     pending rows of the transactions the scope touches. `old_stable`: topic -> stored stable
-    ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog.
+    ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog and every
+    retained (deleted) one; `retained`: those (topic, ledger) pairs, whose pending rows number
+    later rows (`local_seq`) but are not read; `spared`: the retained pairs whose id is in `scope`,
+    whose rows the run does not write.
     """
     entries = conform(entries, LEDGER_ENTRIES_SCHEMA)
     narrow = with_row_index(entries.select(list(buffer_jobs.NARROW_COLUMNS)))
@@ -447,7 +461,14 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
     # Only transactions with a marker in the scope can commit there: all are in `refold`.
     pending = read_state(BUFFER_PENDING_ENTRIES, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
     stable = stable_positions(txns, ledgers)
-    in_scope = lambda table, column: table.filter(pc.is_in(table[column], pa.array(sorted(scope), pa.int64())))  # noqa: E731
+    spared = sorted(spared)
+
+    def in_scope(table: pa.Table, column: str) -> pa.Table:
+        rows = pc.is_in(table[column], pa.array(sorted(scope), pa.int64()))
+        for topic, ledger in spared:
+            rows = pc.and_(rows, pc.invert(pc.and_(pc.equal(table["topic"], topic), pc.equal(table[column], ledger))))
+        return table.filter(rows)
+
     committed = in_scope(committed_txns(txns), "visible_ledger_id")
     kept_data = entries.filter(pc.and_(is_data(entries), pa.array(~duplicate)))
     # Rows of older ledgers that a commit in the scope makes visible.
@@ -457,7 +478,7 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
         tables={
             TXN_MARKERS: in_scope(markers_from_txns(txns), "ledger_id"),
             ABORTED_TXNS: in_scope(aborted_from_txns(txns), "abort_ledger_id"),
-            COMMITTED_ENTRIES: read_committed(data, committed, stable),
+            COMMITTED_ENTRIES: without_ledgers(read_committed(data, committed, stable), retained),
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(entries, narrow, duplicate, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(duplicates, BUFFER_DUPLICATES_SCHEMA),

@@ -23,9 +23,18 @@ Which ledgers a run recomputes (its *scope*):
 - every ledger of `inventory` (the `ledgers` catalog) whose entry count or last entry differs
   from what the state holds: new ledgers, the OPEN ledger that grew, a ledger never processed.
   So the contract tables describe every ledger the catalog lists, the OPEN ones included;
-- every ledger of a topic that lost a ledger (retention deleted its rows): a deleted ledger can
-  change which later entry is a duplicate, which data is late, which transaction is ongoing, and
-  `local_seq`, so the topic is recomputed from what `ledger_entries` still holds.
+A ledger retention deleted is not recomputed, and its facts are not dropped: its
+`buffer_ledger_txns` and `buffer_sequence_ranges` rows stay (*retained*), as a broker's
+transaction buffer keeps what it decided when a ledger goes and only trims its abort set
+(retention deletes the ledger's contract rows itself; its pending rows stay, so `local_seq`
+still counts them, but are not read). So a transaction whose
+marker was in it stays decided (later data of it stays late, and does not stall the stable
+position), a retried send whose first copy was in it stays a duplicate, and the position before
+the next ledger's first entry is still its last entry: the reference fed the whole log, then
+`trim_ledgers`. A full run with such ledgers in the state recomputes every listed ledger on top
+of them (without a state it can only replay what `ledger_entries` still holds). A run replaces
+rows by ledger id; a retained ledger sharing its id with another topic's recomputed one is spared
+(`ScopePlan.shadowed`).
 Rows of the contract tables are attributed to a ledger (`txn_markers.ledger_id`,
 `aborted_txns.abort_ledger_id`, `committed_entries.visible_ledger_id`) and a run replaces
 exactly the rows of its scope (Delta `replaceWhere`); `stable_positions` (a row per topic) is
@@ -57,7 +66,7 @@ import json
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
 
 import pyarrow as pa
@@ -96,7 +105,14 @@ from txn_engine.buffer_jobs import (
     violation_totals,
     violations_from_facts,
 )
-from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, fits_driver, overwrite_small, sql_string
+from txn_engine.delta_io import (
+    DRIVER_WRITE_MAX_BYTES,
+    DeltaTables,
+    fits_driver,
+    ledger_predicate,
+    overwrite_small,
+    sql_string,
+)
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -165,8 +181,9 @@ class BufferRefresh:
     # the driver all the same), or "driver": every table collected as Arrow and committed by delta-rs.
     written_by: str = "spark"
     computed_by: str = "spark"  # "spark", or "arrow": an incremental run small enough for the driver (buffer_arrow)
-    deleted_ledgers: list[int] = field(default_factory=list)
-    recomputed_topics: list[str] = field(default_factory=list)  # whole topics, after a deletion
+    # Ledgers retention deleted whose facts the state keeps (their transactions stay decided, their
+    # sequence ids seen): every one so far, not only this run's.
+    retained_ledgers: int = 0
     violations: dict[str, int] = field(default_factory=dict)  # in the recomputed ledgers
     rows_written: dict[str, int] = field(default_factory=dict)
 
@@ -174,8 +191,8 @@ class BufferRefresh:
         if self.full:
             return f"full recompute of {len(self.ledgers)} ledgers"
         text = f"recomputed {len(self.ledgers)} ledgers"
-        if self.deleted_ledgers:
-            text += f"; {len(self.deleted_ledgers)} deleted ledgers dropped, topics {self.recomputed_topics} recomputed"
+        if self.retained_ledgers:
+            text += f"; the facts of {self.retained_ledgers} deleted ledgers kept"
         return text
 
 
@@ -359,11 +376,18 @@ def state_is_current(wh: Warehouse) -> bool:
 
 class ScopePlan(NamedTuple):
     ledgers: set[int]  # to recompute
-    deleted: set[int]  # in the state, gone from the catalog
-    topics: set[str]  # recomputed whole (they lost a ledger)
+    # (topic, ledger_id, last_entry_id) of the ledgers the state holds and the catalog no longer
+    # lists (retention deleted them): their facts stay, as a broker's do (module doc).
+    retained: list[tuple[str, int, int]]
     size_bytes: int  # of the entries of `ledgers`, per the catalog (0 when the inventory has no size_bytes)
     log_bytes: int  # of every ledger's entries, per the catalog (0 when the inventory has no size_bytes)
     last_entries: list[tuple[str, int, int]]  # (topic, ledger_id, last_entry_id) of every ledger of the catalog
+
+    @property
+    def shadowed(self) -> list[tuple[str, int]]:
+        """Retained (topic, ledger) pairs whose ledger id another topic's recomputed ledger shares:
+        a run replaces rows by ledger id, and must spare theirs."""
+        return sorted((topic, ledger) for topic, ledger, _ in self.retained if ledger in self.ledgers)
 
 
 LedgerCounts = dict[tuple[str, int], tuple[int, int]]  # (topic, ledger_id) -> (entry_count, last_entry_id)
@@ -386,7 +410,7 @@ def state_ledger_counts(ledger_txns: DataFrame | pa.Table) -> LedgerCounts:
 
 
 def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:
-    """The ledgers to recompute, the deleted ledgers and the topics recomputed whole, from the catalog and the state.
+    """The ledgers to recompute and the retained (deleted) ones, from the catalog and the state.
 
     `inventory`: (topic, ledger_id, entry_count, last_entry_id, size_bytes) of every ledger
     `ledger_entries` holds, collected once (a row per ledger); `known`: what the state says
@@ -395,15 +419,12 @@ def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: 
     rows = inventory_rows(inventory)
     now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in rows}
     changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
-    gone = [key for key in known if key not in now]
-    deleted = {ledger for _, ledger in gone}
-    topics = {topic for topic, _ in gone}
+    retained = sorted((topic, ledger, last) for (topic, ledger), (_, last) in known.items() if (topic, ledger) not in now)
     wanted = set(int(i) for i in requested) & {ledger for _, ledger in now}
-    whole_topics = {ledger for topic, ledger in now if topic in topics}
-    scope = wanted | changed | whole_topics
+    scope = wanted | changed
     # The offloader plans without it (it reads no payload).
     sized = "size_bytes" in (inventory.column_names if isinstance(inventory, pa.Table) else inventory.columns)
-    return ScopePlan(scope, deleted, topics, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0,
+    return ScopePlan(scope, retained, sum(r.size_bytes for r in rows if r.ledger_id in scope) if sized else 0,
                      sum(r.size_bytes for r in rows) if sized else 0, [(r.topic, r.ledger_id, r.last_entry_id) for r in rows])
 
 
@@ -448,34 +469,75 @@ def refresh_buffer(
     Others run on Spark; there `broadcast_max_bytes` bounds the blocks broadcast to the full rows
     of `committed_entries` (`buffer_jobs.blocks_fit_broadcast`).
     """
-    full = full or not _has_state(wh)
+    has_state = _has_state(wh)
+    full = full or not has_state
+    tables = DeltaTables(wh)
+    known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if has_state else {}
     if full:
-        entries_all = wh.read(LEDGER_ENTRIES)
-        require_ledger_entries(entries_all)
         # Planned against an empty state: every ledger counts, so size_bytes is the whole log's.
         plan = plan_scope(inventory, {}, ())._replace(ledgers=set())
-        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
+        retained = plan_scope(inventory, known, ()).retained
+        if not retained:
+            entries_all = wh.read(LEDGER_ENTRIES)
+            require_ledger_entries(entries_all)
+            return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes,
+                                     broadcast_max_bytes)
+        # Retention deleted ledgers whose facts only the state holds now: every ledger the catalog
+        # lists is recomputed on top of them, which is the full recompute of the log as it was.
+        ledgers = [ledger for _, ledger, _ in plan.last_entries]
+        return replace(_refresh_incrementally(wh, tables, inventory, known, ledgers, after_write, driver_write_max_bytes,
+                                              broadcast_max_bytes), full=True)
+    return _refresh_incrementally(wh, tables, inventory, known, ledgers, after_write, driver_write_max_bytes,
+                                  broadcast_max_bytes)
+
+
+def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, inventory, known: LedgerCounts, ledgers: Iterable[int],
+                           after_write, driver_write_max_bytes: int, broadcast_max_bytes: int) -> BufferRefresh:
     # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
     # read by delta-rs, without the Spark jobs of a Delta scan.
-    tables = DeltaTables(wh)
     old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
-    known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS))
     plan = plan_scope(inventory, known, ledgers)
-    if not plan.ledgers and not plan.deleted:
-        return BufferRefresh(full=False, ledgers=[])
+    if not plan.ledgers:
+        return BufferRefresh(full=False, ledgers=[], retained_ledgers=len(plan.retained))
     if plan.size_bytes <= driver_write_max_bytes:
         return _refresh_in_driver(wh, tables, old_stable, plan, after_write, plan.log_bytes <= driver_write_max_bytes)
     entries_all = wh.read(LEDGER_ENTRIES)
     require_ledger_entries(entries_all)
-    replaced = sorted(plan.ledgers | plan.deleted)
     # Small (the scope's entries) and read by every table: scanned from Delta once.
     entries = entries_all.filter(F.col("ledger_id").isin(sorted(plan.ledgers))).cache()
-    kept_state = {t: wh.read(t).filter(~F.col("ledger_id").isin(replaced)) for t in STATE_TABLES}
+    kept_state = {t: wh.read(t).filter(_kept_state_rows(plan)) for t in STATE_TABLES}
     try:
         return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, driver_write_max_bytes,
                                  broadcast_max_bytes)
     finally:
         entries.unpersist()
+
+
+def _without_retained(committed: DataFrame, plan: ScopePlan) -> DataFrame:
+    """`committed_entries` rows but those of retained (deleted) ledgers: a transaction's pending rows
+    there number its later rows (`local_seq`) but are not read."""
+    if not plan.retained:
+        return committed
+    retained = committed.sparkSession.createDataFrame([(t, ledger) for t, ledger, _ in plan.retained],
+                                                      "topic string, ledger_id long")
+    return committed.join(F.broadcast(retained), ["topic", "ledger_id"], "left_anti")
+
+
+def _kept_state_rows(plan: ScopePlan) -> Column:
+    """The state rows a Spark run keeps: those outside its ledgers, and the retained ones sharing an id with them."""
+    outside = ~F.col("ledger_id").isin(sorted(plan.ledgers))
+    if not plan.shadowed:
+        return outside
+    return outside | F.expr(ledger_predicate(plan.shadowed))
+
+
+def _replaced_rows(plan: ScopePlan, column: str, delta_rs: bool) -> str:
+    """The predicate of the rows a run replaces in a table: those of its ledgers (by `column`),
+    but the retained ones sharing an id with them. Plain SQL for Spark or, with `delta_rs`, delta-rs."""
+    where = ledger_ids_predicate(column, plan.ledgers)
+    if not plan.shadowed:
+        return where
+    return f"({where}) AND NOT ({ledger_predicate(plan.shadowed, column, delta_rs)})"
 
 
 def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write, driver_write_max_bytes: int,
@@ -494,8 +556,10 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         last_entries = folded.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
     else:
         folded = scope_ledger_txns.unionByName(txns_to_refold(kept_state[BUFFER_LEDGER_TXNS], scope_ledger_txns, old_stable))
-        # After this run the state describes exactly the catalog's ledgers: their last entries are the catalog's.
-        last_entries = entries.sparkSession.createDataFrame(plan.last_entries, "topic string, ledger_id long, last_entry_id long")
+        # After this run the state describes exactly the catalog's ledgers (their last entries are the
+        # catalog's) and the retained ones.
+        last_entries = entries.sparkSession.createDataFrame(plan.last_entries + plan.retained,
+                                                            "topic string, ledger_id long, last_entry_id long")
     txns = txns_from_ledger_txns(folded).cache()
     facts = BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), folded, last_entries, txns, blocks)
     stable = stable_from_facts(facts).cache()
@@ -518,7 +582,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         rows, visible_from = entries.select(*LEDGER_ENTRY_COLUMNS), blocks
         committed = committed_txns(facts.txns)
         if not full:
-            in_scope = lambda column: F.col(column).isin(sorted(plan.ledgers))  # noqa: E731
+            in_scope = lambda column: F.expr(_replaced_rows(plan, column, delta_rs=False))  # noqa: E731
             markers = markers.filter(in_scope("ledger_id"))
             aborted = aborted.filter(in_scope("abort_ledger_id"))
             committed = committed.filter(in_scope("visible_ledger_id"))
@@ -531,8 +595,9 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
             ABORTED_TXNS: aborted,
             # Built when its turn comes: the blocks are cached by then, and their count (broadcast or
             # shuffle) adds no job ahead of the facts'.
-            COMMITTED_ENTRIES: lambda: read_committed(rows, visible_from, committed, stable,
-                                                      broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
+            COMMITTED_ENTRIES: lambda: _without_retained(read_committed(
+                rows, visible_from, committed, stable, broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
+                plan),
             STABLE_POSITIONS: stable,
             BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
@@ -563,8 +628,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         ledgers = (sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full
                    else sorted(plan.ledgers))
         return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark",
-                             deleted_ledgers=sorted(plan.deleted), recomputed_topics=sorted(plan.topics),
-                             violations={v: int(counts[v] or 0) for v in VIOLATIONS})
+                             retained_ledgers=len(plan.retained), violations={v: int(counts[v] or 0) for v in VIOLATIONS})
     finally:
         for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans, *gappy_ranges):
             frame.unpersist()
@@ -610,18 +674,19 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
                        flip_by_driver: bool) -> BufferRefresh:
     """An incremental run small enough for the driver: read by delta-rs, computed in Arrow
     (`buffer_arrow`), written by delta-rs; the same rows as `_refresh_on_spark`."""
-    replaced = pa.array(sorted(plan.ledgers | plan.deleted), pa.int64())
-    kept = ~pc.field("ledger_id").isin(replaced)
+    kept = ~pc.field("ledger_id").isin(pa.array(sorted(plan.ledgers), pa.int64()))
+    for topic, ledger in plan.shadowed:  # retained rows sharing an id with the scope's (`_kept_state_rows`)
+        kept = kept | ((pc.field("topic") == topic) & (pc.field("ledger_id") == ledger))
     entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=buffer_arrow.ledger_filter(pa.array(sorted(plan.ledgers), pa.int64())))
     require_ledger_entries(entries)
     computed = buffer_arrow.scope_tables(entries, plan.ledgers,
                                          lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
-                                         {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries)
+                                         {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries + plan.retained,
+                                         plan.shadowed, [(t, ledger) for t, ledger, _ in plan.retained])
     new_stable = lambda: [Row(**r) for r in computed.tables[STABLE_POSITIONS].to_pylist()]  # noqa: E731
     _write(wh, computed.tables, new_stable, old_stable, plan, after_write, lambda table, frame: True, flip_by_driver)
     return BufferRefresh(full=False, ledgers=sorted(plan.ledgers), written_by="driver", computed_by="arrow",
-                         deleted_ledgers=sorted(plan.deleted), recomputed_topics=sorted(plan.topics),
-                         violations=computed.violations)
+                         retained_ledgers=len(plan.retained), violations=computed.violations)
 
 
 def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFrame]], new_stable: Callable[[], list], old_stable, plan: ScopePlan,
@@ -629,20 +694,18 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFram
     """Write one run's tables (Spark frames or Arrow tables) in the crash-safe order of the module doc;
     a Spark frame for which `by_driver(table, frame)` holds is collected and committed by delta-rs."""
     full = old_stable is None
-    replaced = sorted(plan.ledgers | plan.deleted)
 
     def write(table: str, whole: bool = full, commit_metadata: dict[str, str] | None = None) -> None:
         frame = tables[table]
         if callable(frame):  # built when its turn comes (it runs a Spark job to decide its plan)
             frame = frame()
-        # Both predicates are plain SQL that Spark and delta-rs read alike.
-        where = None if whole else ledger_ids_predicate(LEDGER_COLUMN[table], replaced)
+        where = lambda delta_rs: None if whole else _replaced_rows(plan, LEDGER_COLUMN[table], delta_rs)  # noqa: E731
         if isinstance(frame, pa.Table):
-            DeltaTables(wh).overwrite(table, frame, SCHEMAS[table], where, commit_metadata)
+            DeltaTables(wh).overwrite(table, frame, SCHEMAS[table], where(True), commit_metadata)
         elif by_driver(table, frame):
-            overwrite_small(wh, table, frame, predicate=where, commit_metadata=commit_metadata)
+            overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata)
         else:
-            wh.overwrite(table, frame, replace_where=where, commit_metadata=commit_metadata)
+            wh.overwrite(table, frame, replace_where=where(False), commit_metadata=commit_metadata)
         if after_write:
             after_write(table)
 
@@ -651,14 +714,14 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFram
     write(ABORTED_TXNS)
     write(COMMITTED_ENTRIES)
     if not full:
-        _move_stable_prefix(wh, old_stable, new_stable(), plan.ledgers | plan.deleted, flip_by_driver, plan.last_entries)
+        _move_stable_prefix(wh, old_stable, new_stable(), plan.ledgers, flip_by_driver, plan.last_entries)
         if after_write:
             after_write("in_stable_prefix")
     # After the rows it marks: the stable positions stored are what `in_stable_prefix` of the
     # older rows agrees with, so a run stopped before this line moves them next time.
     write(STABLE_POSITIONS, whole=True)
     recorded = {recorded_version_key(t): str(wh.version(t)) for t in RECORDED_TABLES}
-    recorded[RUN_LEDGERS_KEY] = ALL_LEDGERS if full else json.dumps(replaced)
+    recorded[RUN_LEDGERS_KEY] = ALL_LEDGERS if full else json.dumps(sorted(plan.ledgers))
     # State last, buffer_ledger_txns the very last: it records what is done.
     write(BUFFER_PENDING_ENTRIES)
     write(BUFFER_DUPLICATES)

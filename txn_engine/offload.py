@@ -428,14 +428,15 @@ def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
     """The version of the buffer's state (`buffer_ledger_txns`) when it describes exactly the
     pinned log (`catalog` is its ledger catalog): every ledger's entry count and last entry agree,
     the test the buffer's own planner applies. None otherwise (no state, a state written by an
-    older release, a ledger the buffer has not processed, a ledger retention removed)."""
+    older release, a ledger the buffer has not processed). The facts of ledgers retention
+    deleted stay in the state (`buffer_incremental`), so a deletion alone does not make it stale."""
     if not (state_is_current(wh) and wh.exists(BUFFER_DUPLICATES)):
         return None
     state_version = wh.version(BUFFER_LEDGER_TXNS)
     # The check reads four narrow columns by delta-rs (no Spark job: 4-5 s in a fresh JVM).
     counts = DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version).to_table(columns=LEDGER_COUNT_COLUMNS)
     plan = plan_scope(inventory_of(catalog), state_ledger_counts(counts), ())
-    return None if plan.ledgers or plan.deleted else state_version
+    return None if plan.ledgers else state_version
 
 
 @dataclass

@@ -20,12 +20,13 @@ a ledger is deleted, by the first retention run after that, as Kafka frees a del
 after `file.delete.delay.ms`.
 The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
 
-A recompute of the buffer over the remaining `ledger_entries` gives the same trimmed abort set
-(tested). Two things change with the history cut: a transaction whose data was in a deleted
-ledger and whose COMMIT/ABORT marker is in a kept one becomes `marker_without_data` (an ABORT
-marker still keeps it in the abort set, which is right: its marker was not deleted); and a
-retried send whose first copy was deleted is no longer a duplicate in the hot tables (the reader
-drops it, since the first copy is in the tier).
+Nothing else the buffer decided changes, as in a broker, whose transaction buffer only trims
+its abort set when a ledger goes: the buffer's state keeps the deleted ledgers' facts (per
+transaction and ledger, the sequence ids seen, the data of transactions not decided in their
+own ledger), so data after a marker in a deleted ledger stays late (it does not reopen its
+transaction and stall the stable position), a retried send whose first copy was deleted stays a
+duplicate, and `local_seq` keeps counting a transaction's deleted entries (they are not read). A recompute, full or not, works on top of
+those facts (`buffer_incremental`; tested against the reference fed the whole log, then trimmed).
 """
 
 from __future__ import annotations
@@ -188,13 +189,19 @@ def apply_retention(
         targets = sorted(chosen_set | set(unfinished))
         # Every table deleted from holds at most the log's entries: its bytes decide who deletes.
         small = sum(int(r["size_bytes"]) for r in catalog if (r["topic"], r["ledger_id"]) in present) <= driver_write_max_bytes
-        delete_ledgers(wh, COMMITTED_ENTRIES, targets, through_driver=small)
-        delete_ledgers(wh, TXN_MARKERS, targets, through_driver=small)
-        delete_ledgers(wh, ABORTED_TXNS, targets, "abort_ledger_id", through_driver=small)
-        hook(AFTER_DERIVED)
-        delete_ledgers(wh, LEDGER_ENTRIES, targets, through_driver=small)
+        delete_ledger_rows(wh, targets, small, hook)
     result.files_reclaimed = _reclaim_disk(wh)
     return result
+
+
+def delete_ledger_rows(wh: Warehouse, ledgers: list[tuple[str, int]], through_driver: bool,
+                       hook: Callable[[str], None] = lambda point: None) -> None:
+    """Steps 3 and 4 of the module doc: the ledgers' rows leave the derived hot tables, then `ledger_entries`."""
+    delete_ledgers(wh, COMMITTED_ENTRIES, ledgers, through_driver=through_driver)
+    delete_ledgers(wh, TXN_MARKERS, ledgers, through_driver=through_driver)
+    delete_ledgers(wh, ABORTED_TXNS, ledgers, "abort_ledger_id", through_driver=through_driver)
+    hook(AFTER_DERIVED)
+    delete_ledgers(wh, LEDGER_ENTRIES, ledgers, through_driver=through_driver)
 
 
 def _reclaim_disk(wh: Warehouse) -> int:
