@@ -1,6 +1,15 @@
 -- Per topic, the oldest ongoing transaction: data on the topic and no marker yet. It is what
 -- holds the topic's stable position back (Kafka's and Pulsar's "hanging transaction").
-WITH txn_data AS (
+-- A retried send (a DATA entry repeating an earlier one's topic, producer_id and sequence_id) is
+-- dropped and starts nothing, so only each send's first copy counts.
+WITH sent AS (
+    SELECT
+        topic, txn_most_bits, txn_least_bits, ledger_id, entry_id, publish_time, producer_id, sequence_id,
+        ROW_NUMBER() OVER (PARTITION BY topic, producer_id, sequence_id ORDER BY ledger_id, entry_id) AS copy
+    FROM ledger_entries
+    WHERE entry_type = 'DATA'
+),
+txn_data AS (
     SELECT
         topic,
         txn_most_bits,
@@ -8,21 +17,27 @@ WITH txn_data AS (
         MIN(STRUCT(ledger_id, entry_id)) AS first_position,
         MIN(publish_time) AS first_publish_time,
         COUNT(*) AS data_entries
-    FROM ledger_entries
-    WHERE entry_type = 'DATA' AND txn_most_bits IS NOT NULL
+    FROM sent
+    WHERE txn_most_bits IS NOT NULL AND (copy = 1 OR producer_id IS NULL OR sequence_id IS NULL)
     GROUP BY topic, txn_most_bits, txn_least_bits
 ),
+-- `stable_positions` says which topics have transactions ongoing and how many; every ongoing
+-- transaction's first entry lies after the stable position. That also leaves out a transaction
+-- decided in a ledger retention has since deleted (its later data is late, not ongoing).
 ongoing AS (
-    SELECT d.*
+    SELECT d.*, s.ongoing_txn_count AS ongoing_txns
     FROM txn_data AS d
+    JOIN stable_positions AS s
+      ON s.topic = d.topic
+     AND s.ongoing_txn_count > 0
+     AND d.first_position > STRUCT(s.max_read_ledger_id, s.max_read_entry_id)
     LEFT ANTI JOIN txn_markers AS m
       ON m.topic = d.topic AND m.txn_most_bits = d.txn_most_bits AND m.txn_least_bits = d.txn_least_bits
 ),
 ranked AS (
     SELECT
         o.*,
-        ROW_NUMBER() OVER (PARTITION BY topic ORDER BY first_position) AS age_rank,
-        COUNT(*) OVER (PARTITION BY topic) AS ongoing_txns
+        ROW_NUMBER() OVER (PARTITION BY topic ORDER BY first_position) AS age_rank
     FROM ongoing AS o
 )
 SELECT

@@ -32,6 +32,7 @@ from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refres
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.retention import delete_ledger_rows
+from txn_engine.sql_models import discover_models, run_model
 from txn_engine.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
@@ -145,6 +146,35 @@ def test_incremental_chunks_then_deletion_equal_the_reference(spark, tmp_path_fa
 
 # -- named scenarios ---------------------------------------------------------------------------
 
+def assert_sql_models_agree(wh, tables: dict, left: list[LogEntry]) -> None:
+    """The analysts' models over the buffer's tables (`dbt-free-sql/`) against those tables and the
+    entries `left` in `ledger_entries`: lag, abort rates, the oldest ongoing transaction."""
+    models = {m.name: m for m in discover_models()}
+    stable = {topic: row for topic, (row,) in tables[STABLE_POSITIONS].items()}
+    lag = {r.topic: (r.entries_behind, r.ongoing_txn_count) for r in run_model(wh, models["topic_read_lag"]).collect()}
+    assert lag == {t: (sum(1 for x in left if x.topic == t and (x.ledger_id, x.entry_id) > row[1:3]), row[5])
+                   for t, row in stable.items()}
+    rates = {(r.topic, r.ledger_id): (r.aborted_txns, r.committed_txns) for r in run_model(wh, models["abort_rates"]).collect()}
+    outcomes: dict = {}
+    for rows in tables[TXN_MARKERS].values():
+        for topic, _, _, outcome, ledger, _ in rows:
+            aborted, committed = outcomes.get((topic, ledger), (0, 0))
+            outcomes[(topic, ledger)] = (aborted + (outcome == "ABORT"), committed + (outcome == "COMMIT"))
+    assert rates == outcomes
+    oldest = {r.topic: (r.txn_id, r.first_ledger_id, r.first_entry_id, r.data_entries, r.ongoing_txns)
+              for r in run_model(wh, models["oldest_ongoing_txn"]).collect()}
+    # The oldest ongoing transaction's first kept entry is the one right after the stable position.
+    expected = {}
+    for t, row in stable.items():
+        if row[5]:
+            first = min((x for x in left if x.topic == t and (x.ledger_id, x.entry_id) > row[1:3]),
+                        key=lambda x: (x.ledger_id, x.entry_id))
+            sent = {(x.producer_id, x.sequence_id) for x in left if x.topic == t and x.txn_least_bits == first.txn_least_bits
+                    and x.entry_type == "DATA"}
+            expected[t] = (f"{first.txn_most_bits}:{first.txn_least_bits}", first.ledger_id, first.entry_id, len(sent), row[5])
+    assert oldest == expected
+
+
 def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehouse):
     """Retention deletes ledgers; what the buffer decided about the rest stays, as in a broker.
 
@@ -166,7 +196,10 @@ def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehou
         e(1, 0, txn=T2, topic="b"), e(1, 1, "COMMIT", T2, topic="b"), e(1, 2, "ABORT", T3, topic="b"), e(2, 0, topic="b"),
     ]
     later = [e(12, 0, txn=T2, topic="a"), e(12, 1, "COMMIT", T2, topic="a"), e(32, 0, "COMMIT", T1, topic="p"),
-             e(22, 0, producer=1, seq=6, topic="r")]
+             e(22, 0, producer=1, seq=6, topic="r"),
+             # a: T3 stays ongoing, with a retry among its entries; r: T2's only data is a retry, so T2 never starts.
+             e(12, 2, txn=T3, producer=2, seq=0, topic="a"), e(12, 3, txn=T3, producer=2, seq=0, topic="a"),
+             e(12, 4, txn=T3, producer=2, seq=1, topic="a"), e(22, 1, txn=T2, producer=1, seq=6, topic="r")]
     deleted = {"a": [10], "r": [20], "p": [30], "s": [1]}
 
     def expected(entries):
@@ -195,9 +228,10 @@ def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehou
     visible = len(LEDGER_ENTRY_COLUMNS)  # committed_entries: then visible_ledger_id, visible_entry_id, local_seq
     assert [r[visible:visible + 3] for r in tables[COMMITTED_ENTRIES]["p"] if r[1:3] == (31, 0)] == [(32, 0, 1)]
     assert not [r for r in tables[COMMITTED_ENTRIES]["p"] if r[1] == 30]
-    assert tables[STABLE_POSITIONS]["a"][0][1:3] == (12, 1)  # T1's late data holds nothing back
+    assert tables[STABLE_POSITIONS]["a"][0][1:3] == (12, 1)  # T1's late data holds nothing back; T3 does
     for topic, ((_, ledger, entry, *_),) in stable_before.items():
         assert tables[STABLE_POSITIONS][topic][0][1:3] >= (ledger, entry), f"{topic}'s stable position moved back"
+    assert_sql_models_agree(warehouse, tables, [x for x in first + later if x.ledger_id not in deleted.get(x.topic, [])])
 
     full = refresh(warehouse, full=True, driver_write_max_bytes=0)  # on Spark, on top of the retained facts
     assert (full.full, full.computed_by) == (True, "spark")
