@@ -17,6 +17,7 @@ from typing import Mapping
 
 from dagster import ConfigurableResource
 from pydantic import Field
+from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import require_delta_jars
@@ -112,6 +113,10 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             builder = builder.config(key, value)
         session = builder.getOrCreate()
         session.sparkContext.setLogLevel(os.environ.get("TXNLAKE_SPARK_LOG_LEVEL", "ERROR"))
+        # PySpark logs each Spark SQL error it converts as a JSON blob on stderr before raising it:
+        # a duplicate of the exception, which buries the CLI's one-line `error:` under it.
+        for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+            PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
         _startup_seconds = time.perf_counter() - started
         _session, _session_conf = session, wanted
         log.info("SparkSession started in %.1fs (master %s)", _startup_seconds, wanted["spark.master"])
