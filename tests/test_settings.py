@@ -103,10 +103,27 @@ def test_spark_conf_layers(monkeypatch):
     assert effective_conf(master="local[1]")["spark.master"] == "local[1]"
 
 
-def test_bad_spark_conf_in_environment(monkeypatch):
-    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.driver.memory")
+@pytest.mark.parametrize("raw", ["spark.driver.memory", "=4g", "spark.driver.memory=4g,=8g", "driver memory=4g"])
+def test_bad_spark_conf_in_environment(monkeypatch, raw):
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", raw)
     with pytest.raises(ConfigurationError, match="is not key=value"):
         conf_from_environment()
+
+
+def test_spark_conf_values_may_hold_commas(monkeypatch):
+    # A comma starts a new setting only before `property.name=`: lists and -D options stay whole.
+    packages = "io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.hadoop:hadoop-aws:3.4.1"
+    monkeypatch.setenv(
+        "TXNLAKE_SPARK_CONF",
+        f"spark.jars.packages={packages},spark.driver.extraJavaOptions=-Da=1,-Db=2\n"
+        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint = http://minio:9000,\n",
+    )
+    assert conf_from_environment() == {
+        "spark.jars.packages": packages,
+        "spark.driver.extraJavaOptions": "-Da=1,-Db=2",
+        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint": "http://minio:9000",
+    }
+    assert effective_conf()["spark.jars.packages"] == packages
 
 
 def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):
