@@ -4,19 +4,22 @@ A session costs seconds to start and its static config is fixed once created (a 
 builder's settings are silently ignored by Spark), so every caller in a process shares the
 session made by the first `get_spark()`; later differing static settings are reported, not lost
 silently. Override anything from Dagster config (`SparkResource(master=..., conf={...})`) or the
-environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`).
+environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`, see
+`conf_from_environment`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from typing import Mapping
 
 from dagster import ConfigurableResource
 from pydantic import Field
+from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import require_delta_jars
@@ -60,20 +63,39 @@ _session_conf: dict[str, str] = {}
 _startup_seconds: float | None = None
 
 
+# A Spark (or spark.hadoop.*) property name: dotted words, e.g. spark.hadoop.fs.s3a.bucket.my-bucket.endpoint.
+_PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w-]+)+)\s*=(.*)")
+
+
 def conf_from_environment() -> dict[str, str]:
+    """TXNLAKE_SPARK_MASTER and TXNLAKE_SPARK_CONF as Spark settings.
+
+    TXNLAKE_SPARK_CONF is `key=value` items separated by commas or newlines. A comma (or newline)
+    starts a new item only where a property name and `=` follow (`spark.x.y=`); otherwise it
+    belongs to the value, so lists need no quoting:
+    `spark.jars.packages=io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.hadoop:hadoop-aws:3.4.1`.
+    Empty items are skipped; a newline inside a value becomes a comma.
+    """
     conf: dict[str, str] = {}
     master = os.environ.get("TXNLAKE_SPARK_MASTER")
     if master:
         conf["spark.master"] = master
     raw = os.environ.get("TXNLAKE_SPARK_CONF", "")
-    for item in filter(None, (part.strip() for part in raw.replace("\n", ",").split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
+    key = None
+    for part in raw.replace("\n", ",").split(","):
+        if not part.strip():
+            continue
+        item = _PROPERTY.fullmatch(part)
+        if item:
+            key = item.group(1)
+            conf[key] = item.group(2).strip()
+        elif key is None or part.strip().startswith("="):
             raise ConfigurationError(
-                f"TXNLAKE_SPARK_CONF item {item!r} is not key=value; write it as "
-                "TXNLAKE_SPARK_CONF='spark.driver.memory=4g,spark.sql.shuffle.partitions=4'"
+                f"TXNLAKE_SPARK_CONF item {part.strip()!r} is not key=value with a property name as key; "
+                "write it as TXNLAKE_SPARK_CONF='spark.driver.memory=4g,spark.sql.shuffle.partitions=4'"
             )
-        conf[key.strip()] = value.strip()
+        else:  # a comma inside the previous value
+            conf[key] = f"{conf[key]},{part.rstrip()}"
     return conf
 
 
@@ -112,6 +134,10 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             builder = builder.config(key, value)
         session = builder.getOrCreate()
         session.sparkContext.setLogLevel(os.environ.get("TXNLAKE_SPARK_LOG_LEVEL", "ERROR"))
+        # PySpark logs each Spark SQL error it converts as a JSON blob on stderr before raising it:
+        # a duplicate of the exception, which buries the CLI's one-line `error:` under it.
+        for name in ("SQLQueryContextLogger", "DataFrameQueryContextLogger"):
+            PySparkLogger.getLogger(name).setLevel(logging.CRITICAL)
         _startup_seconds = time.perf_counter() - started
         _session, _session_conf = session, wanted
         log.info("SparkSession started in %.1fs (master %s)", _startup_seconds, wanted["spark.master"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -48,8 +49,40 @@ def test_any_uri_spark_can_write(root, table_path, local):
 
 
 def test_empty_root_is_a_clear_error():
-    with pytest.raises(ValueError, match="warehouse root is empty"):
+    with pytest.raises(ConfigurationError, match=r"warehouse root \(TXNLAKE_WAREHOUSE\) is empty"):
         WarehouseSettings(warehouse="  ")
+
+
+@pytest.mark.parametrize(
+    "settings,error",
+    [
+        ({"warehouse": "{f}"}, r"warehouse root \(TXNLAKE_WAREHOUSE\) is {f}, which is a file, not a folder"),
+        ({"warehouse": "file://{f}"}, r"TXNLAKE_WAREHOUSE\) is file://{f}, which is a file"),
+        ({"warehouse": "{f}/sub"}, r"TXNLAKE_WAREHOUSE\) is {f}/sub, which lies under {f}, which is a file"),
+        ({"warehouse": "{d}", "cold_tier": "{f}"}, r"offload tier root \(TXNLAKE_COLD_TIER.*\) is {f}, which is a file"),
+        ({"warehouse": "{d}", "lock_dir": "{f}"}, r"writer lock folder \(TXNLAKE_LOCK_DIR.*\) is {f}, which is a file"),
+        ({"warehouse": "{d}/wh"}, r"writer lock folder .* is {d}/wh/_locks, which is a file"),  # the default one
+    ],
+)
+def test_a_folder_setting_that_is_a_file_is_a_clear_error(tmp_path, settings, error):
+    (tmp_path / "folder" / "wh").mkdir(parents=True)
+    (tmp_path / "folder" / "wh" / "_locks").write_text("")
+    (tmp_path / "afile").write_text("")
+    names = {"f": str(tmp_path / "afile"), "d": str(tmp_path / "folder")}
+    with pytest.raises(ConfigurationError, match=error.format(**{k: re.escape(v) for k, v in names.items()})):
+        WarehouseSettings(**{k: v.format(**names) for k, v in settings.items()})
+
+
+def test_a_warehouse_file_fails_the_cli_cleanly(monkeypatch, tmp_path, capsys):
+    from pipelines.cli import main
+
+    (tmp_path / "afile").write_text("kept")
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", str(tmp_path / "afile"))
+    assert main(["txn", "list"]) == 2  # a command that needs no Spark
+    assert "error: the warehouse root (TXNLAKE_WAREHOUSE) is" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_text() == "kept"
+    # Missing folders, remote roots and real folders are fine.
+    assert WarehouseSettings(warehouse=str(tmp_path / "new" / "wh"), cold_tier="s3a://b/cold", lock_dir=str(tmp_path)).root
 
 
 def test_dagster_resource_config_wins_over_environment(monkeypatch, tmp_path):
@@ -70,10 +103,27 @@ def test_spark_conf_layers(monkeypatch):
     assert effective_conf(master="local[1]")["spark.master"] == "local[1]"
 
 
-def test_bad_spark_conf_in_environment(monkeypatch):
-    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.driver.memory")
+@pytest.mark.parametrize("raw", ["spark.driver.memory", "=4g", "spark.driver.memory=4g,=8g", "driver memory=4g"])
+def test_bad_spark_conf_in_environment(monkeypatch, raw):
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", raw)
     with pytest.raises(ConfigurationError, match="is not key=value"):
         conf_from_environment()
+
+
+def test_spark_conf_values_may_hold_commas(monkeypatch):
+    # A comma starts a new setting only before `property.name=`: lists and -D options stay whole.
+    packages = "io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.hadoop:hadoop-aws:3.4.1"
+    monkeypatch.setenv(
+        "TXNLAKE_SPARK_CONF",
+        f"spark.jars.packages={packages},spark.driver.extraJavaOptions=-Da=1,-Db=2\n"
+        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint = http://minio:9000,\n",
+    )
+    assert conf_from_environment() == {
+        "spark.jars.packages": packages,
+        "spark.driver.extraJavaOptions": "-Da=1,-Db=2",
+        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint": "http://minio:9000",
+    }
+    assert effective_conf()["spark.jars.packages"] == packages
 
 
 def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):

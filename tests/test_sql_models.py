@@ -7,7 +7,7 @@ import pytest
 from tests.rows import entry, write_jsonl
 from txn_engine.errors import InputFileError, TableMissingError
 from txn_engine.ingest import ingest_files
-from txn_engine.sql_models import discover_models, load_model, referenced_tables, run_model
+from txn_engine.sql_models import discover_models, known_tables, load_model, referenced_tables, run_model
 
 
 @pytest.mark.parametrize(
@@ -38,12 +38,41 @@ def test_shipped_models_read_known_tables():
     assert "Entries and bytes per topic and ledger" in models["ledger_sizes"].description
 
 
+def _model(tmp_path, name: str, sql: str):
+    path = tmp_path / f"{name}.sql"
+    path.write_text(sql)
+    return load_model(path)
+
+
+def test_unknown_table_is_told_apart_from_one_not_written_yet(warehouse, tmp_path):
+    # A typo names no txnlake table: "materialize it first" would send the user looking for an asset.
+    typo = _model(tmp_path, "typo", "SELECT * FROM ledger_entrys LIMIT 3")
+    with pytest.raises(InputFileError, match="reads table ledger_entrys, which is not a txnlake table") as err:
+        run_model(warehouse, typo)
+    assert str(tmp_path / "typo.sql") in str(err.value)
+    assert "ledger_entries, " in str(err.value) and "txn_markers" in str(err.value)  # the names to choose from
+    # Known: the contract's tables and the SQL models' own.
+    assert {"ledger_entries", "txn_markers", "consumer_offsets", "ledger_sizes"} <= set(known_tables())
+    with pytest.raises(TableMissingError, match="materialize ledger_sizes first"):
+        run_model(warehouse, _model(tmp_path, "sizes", "SELECT * FROM ledger_sizes"))
+
+
 def test_run_model_over_delta_tables(warehouse, tmp_path):
-    model_path = tmp_path / "per_topic.sql"
-    model_path.write_text("-- entries per topic\nSELECT topic, COUNT(*) AS n FROM ledger_entries GROUP BY topic ORDER BY topic")
-    model = load_model(model_path)
+    model = _model(tmp_path, "per_topic", "-- entries per topic\nSELECT topic, COUNT(*) AS n FROM ledger_entries GROUP BY topic ORDER BY topic")
     with pytest.raises(TableMissingError, match="reads table ledger_entries, which does not exist yet"):
         run_model(warehouse, model)
     rows = [entry("a", 1, 0), entry("a", 1, 1), entry("b", 2, 0)]
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "in.jsonl", rows))])
     assert [tuple(r) for r in run_model(warehouse, model).collect()] == [("a", 2), ("b", 1)]
+
+    # Spark's analysis errors: the model, Spark's first line (not its plan), and what to do.
+    col = _model(tmp_path, "col", "SELECT topic, nonexistent_col FROM ledger_entries")
+    with pytest.raises(InputFileError, match=r"SQL model col \(.*col\.sql\) does not run: \[UNRESOLVED_COLUMN") as err:
+        run_model(warehouse, col)
+    message = str(err.value)
+    assert "nonexistent_col" in message and f"Fix the SQL in {tmp_path / 'col.sql'}" in message
+    assert "\n" not in message
+    # sqlglot accepts a trailing comma that Spark's parser refuses: the same clear error.
+    trailing = _model(tmp_path, "trailing", "SELECT topic, FROM ledger_entries")
+    with pytest.raises(InputFileError, match=r"trailing \(.*\) does not run: \[TRAILING_COMMA_IN_SELECT\]"):
+        run_model(warehouse, trailing)

@@ -6,9 +6,15 @@ import os
 from pathlib import Path
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from txn_engine.errors import ConfigurationError
+
+# What each folder setting is, as its errors name it.
+_WAREHOUSE = "the warehouse root (TXNLAKE_WAREHOUSE)"
+_COLD_TIER = "the offload tier root (TXNLAKE_COLD_TIER, default <warehouse>/cold)"
+_LOCK_DIR = "the writer lock folder (TXNLAKE_LOCK_DIR, default <warehouse>/_locks)"
 
 
 def is_local_uri(uri: str) -> bool:
@@ -17,13 +23,30 @@ def is_local_uri(uri: str) -> bool:
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
 
 
-def _normalize_root(uri: str) -> str:
+def _normalize_root(uri: str, setting: str) -> str:
     if not uri or not uri.strip():
-        raise ValueError("the warehouse root is empty; set TXNLAKE_WAREHOUSE to a path or URI")
+        raise ConfigurationError(f"{setting} is empty; set it to a path or URI")
     uri = uri.strip()
     if urlparse(uri).scheme in ("",):
         return str(Path(uri).expanduser().resolve())
     return uri.rstrip("/")
+
+
+def _require_folder(uri: str, setting: str) -> None:
+    """Refuse a local folder that is a file, or lies under one: said at once, not as a
+    NotADirectoryError in the first write, nor as "table does not exist" on every read."""
+    if not is_local_uri(uri):
+        return
+    path = Path(_local_path(uri)).expanduser()
+    for candidate in (path, *path.parents):
+        if candidate.exists():  # the nearest existing one; the missing ones below it are made on write
+            if not candidate.is_dir():
+                where = "is" if candidate == path else f"lies under {candidate}, which is"
+                raise ConfigurationError(
+                    f"{setting} is {uri}, which {where} a file, not a folder. Set it to a folder "
+                    "(a missing one is created) or a URI such as s3a://bucket/prefix."
+                )
+            return
 
 
 class WarehouseSettings(BaseSettings):
@@ -47,12 +70,19 @@ class WarehouseSettings(BaseSettings):
     @field_validator("warehouse")
     @classmethod
     def _root(cls, value: str) -> str:
-        return _normalize_root(value)
+        return _normalize_root(value, _WAREHOUSE)
 
     @field_validator("cold_tier")
     @classmethod
     def _cold(cls, value: str | None) -> str | None:
-        return None if value is None else _normalize_root(value)
+        return None if value is None else _normalize_root(value, _COLD_TIER)
+
+    @model_validator(mode="after")
+    def _folders(self) -> "WarehouseSettings":
+        _require_folder(self.warehouse, _WAREHOUSE)
+        _require_folder(self.cold_root(), _COLD_TIER)
+        _require_folder(str(self.lock_folder()), _LOCK_DIR)
+        return self
 
     @property
     def root(self) -> str:
@@ -62,18 +92,23 @@ class WarehouseSettings(BaseSettings):
         """The location of a hot table: one folder per table under the root."""
         return _join(self.warehouse, table)
 
+    def cold_root(self) -> str:
+        """The root of the cold (offload) tier."""
+        return self.cold_tier or _join(self.warehouse, "cold")
+
     def cold_table_path(self, table: str) -> str:
         """The location of a table in the cold (offload) tier."""
-        return _join(self.cold_tier or _join(self.warehouse, "cold"), table)
+        return _join(self.cold_root(), table)
+
+    def lock_folder(self) -> Path:
+        if self.lock_dir:
+            return Path(self.lock_dir).expanduser()
+        if is_local_uri(self.warehouse):
+            return Path(_local_path(self.warehouse)) / "_locks"
+        return Path.home() / ".cache" / "txnlake" / "locks"
 
     def lock_path(self, table: str) -> Path:
-        if self.lock_dir:
-            base = Path(self.lock_dir).expanduser()
-        elif is_local_uri(self.warehouse):
-            base = Path(_local_path(self.warehouse)) / "_locks"
-        else:
-            base = Path.home() / ".cache" / "txnlake" / "locks"
-        return base / f"{table}.lock"
+        return self.lock_folder() / f"{table}.lock"
 
     def is_local(self) -> bool:
         return is_local_uri(self.warehouse)

@@ -14,8 +14,10 @@ from pathlib import Path
 
 import sqlglot
 from sqlglot import exp
+from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame
 
+from txn_engine import schema
 from txn_engine.errors import InputFileError, TableMissingError
 from txn_engine.warehouse import Warehouse
 
@@ -73,14 +75,36 @@ def discover_models(folder: Path | None = None) -> list[SqlModel]:
     return [load_model(p) for p in sorted(Path(folder).glob("*.sql"))]
 
 
+def known_tables() -> tuple[str, ...]:
+    """The tables txnlake writes, sorted: the contract's and the models' own (one per `*.sql`)."""
+    # schema.py names every table once, as an upper-case string constant (its only strings).
+    contract = {v for k, v in vars(schema).items() if k.isupper() and isinstance(v, str)}
+    return tuple(sorted(contract | {p.stem for p in sql_dir().glob("*.sql")}))
+
+
 def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
     """The model's result as a DataFrame over the current Delta tables."""
     for table in model.reads:
         location = warehouse.path(table)
-        if not warehouse.exists(table, location):
+        if warehouse.exists(table, location):
+            warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
+            continue
+        known = known_tables()
+        if table in known:
             raise TableMissingError(
                 f"SQL model {model.name} reads table {table}, which does not exist yet at "
                 f"{location}; materialize {table} first (`txnlake run`)."
             )
-        warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
-    return warehouse.spark.sql(model.sql)
+        raise InputFileError(
+            f"SQL model {model.name} ({model.path}) reads table {table}, which is not a txnlake table "
+            f"(nor a Delta table at {location}). Fix the table name; the tables are: {', '.join(known)}."
+        )
+    try:
+        return warehouse.spark.sql(model.sql)
+    # Also ParseException: Spark's parser is stricter than sqlglot's. Spark's first line is the
+    # error class and message; the lines after it are its query plan.
+    except AnalysisException as exc:
+        raise InputFileError(
+            f"SQL model {model.name} ({model.path}) does not run: {str(exc).splitlines()[0].rstrip(';')}. "
+            f"Fix the SQL in {model.path} (the contract tables' columns: txn_engine/schema.py)."
+        ) from None
