@@ -66,6 +66,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
     assert meta["bytes_saved"] == meta["bytes_before"] - meta["bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
+    assert meta["dagster/row_count"] == meta["entries_kept"] == 7
     assert all(c.passed for c in checks(run).values()), {k: c.metadata for k, c in checks(run).items()}
     assert set(checks(run)) == {"tier_holds_only_committed_data", "tier_within_stable_position_at_offload",
                                 "tier_matches_manifest"}
