@@ -1,24 +1,37 @@
-"""Metadata every materialization reports: rows, where the table is, its Delta version."""
+"""Metadata every materialization reports: rows, columns, where the table is, its Delta version."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dagster import MetadataValue
+from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableSchema
 
 from resources.spark import spark_startup_seconds
 from txn_engine.delta_io import DeltaTables
 from txn_engine.warehouse import Warehouse
 
+# Dagster's own keys (its TableMetadataSet, not exported by dagster 1.13): the UI shows them as the
+# asset's row count and column schema.
+ROW_COUNT, COLUMN_SCHEMA = "dagster/row_count", "dagster/column_schema"
+
 
 def table_metadata(warehouse: Warehouse, table: str, rows: int | None = None, **extra: Any) -> dict[str, Any]:
-    """Rows (by default the table's, from its Delta log), location and Delta version: read with
-    delta-rs, where a Spark count and history cost a few Spark jobs per table."""
+    """Rows (by default the table's, from its Delta log), columns, location and Delta version: read
+    with delta-rs from the log, where a Spark count and history cost a few Spark jobs per table."""
+    tables = DeltaTables(warehouse)
+    count = tables.row_count(table) if rows is None else rows
     metadata: dict[str, Any] = {
-        "rows": DeltaTables(warehouse).row_count(table) if rows is None else rows,
+        ROW_COUNT: MetadataValue.int(count),
+        "rows": count,  # `txnlake run` prints it (pipelines/cli.py)
         "table_location": MetadataValue.path(warehouse.path(table)),
         "delta_version": warehouse.version(table),
     }
+    schema = tables.schema(table)
+    if schema is not None:
+        metadata[COLUMN_SCHEMA] = MetadataValue.table_schema(TableSchema(columns=[
+            TableColumn(f.name, f.dataType.simpleString(), constraints=TableColumnConstraints(nullable=f.nullable))
+            for f in schema.fields
+        ]))
     started = spark_startup_seconds()
     if started is not None:
         metadata["spark_session_start_s"] = round(started, 2)

@@ -18,6 +18,8 @@ from dagster import (
     define_asset_job,
     sensor,
 )
+# Private, but dagster 1.13 has no public name for the range tags, nor a public RunRequest
+# argument for a partition range (RunRequest.partition_key_range reads these very tags).
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.transaction_buffer import DESCRIPTIONS

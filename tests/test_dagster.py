@@ -8,7 +8,7 @@ from assets.offload import retention_job
 from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
-from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
+from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES
 
 
 def metadata_of(result, key: str) -> dict:
@@ -46,6 +46,13 @@ def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_
     meta = metadata_of(ingest, LEDGER_ENTRIES)
     assert (meta["rows"], meta["rows_written"], meta["rows_quarantined"]) == (6, 6, 1)
     assert meta["table_location"] == str(warehouse_root / LEDGER_ENTRIES)
+    # Dagster's own keys, which the UI shows: the row count and the columns, from the Delta log.
+    assert meta["dagster/row_count"] == 6
+    columns = {c.name: (c.type, c.constraints.nullable) for c in meta["dagster/column_schema"].columns}
+    assert list(columns) == [f.name for f in LEDGER_ENTRIES_SCHEMA.fields]
+    assert (columns["ledger_id"][0], columns["producer_epoch"][0], columns["publish_time"][0], columns["payload"][0]) == (
+        "bigint", "int", "timestamp", "binary")
+    assert columns["txn_most_bits"][1] is True  # null for non-transactional entries
     assert metadata_of(ingest, QUARANTINE_ENTRIES)["rows"] == 1
 
     catalog, derived = derive_all(dagster_resources)
@@ -55,7 +62,7 @@ def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_
     assert {LEDGERS, "ledger_sizes", "stable_positions"} <= materialized and LEDGER_ENTRIES not in materialized
     assert metadata_of(catalog, LEDGERS)["ledgers_by_state"] == {"CLOSED": 1, "OPEN": 1}
     sizes = metadata_of(derived, "ledger_sizes")
-    assert sizes["rows"] == 2 and "| orders-0 | 1 | CLOSED | 5 |" in sizes["preview"]
+    assert sizes["rows"] == sizes["dagster/row_count"] == 2 and "| orders-0 | 1 | CLOSED | 5 |" in sizes["preview"]
     assert (warehouse_root / "ledger_sizes" / "_delta_log").is_dir()
 
 

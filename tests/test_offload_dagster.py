@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, SkipReason, build_sensor_context, materialize
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
@@ -11,6 +16,7 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
 from tests.rows import entry, write_jsonl
 from txn_engine.ingest import ingest_files
+from txn_engine.offload import offload_candidates
 from txn_engine.positions import ledger_partition_key as key
 from txn_engine.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
@@ -36,6 +42,28 @@ def tier(warehouse):
     return sorted((r.topic, r.ledger_id, r.entry_id) for r in warehouse.read(OFFLOADED_ENTRIES).collect())
 
 
+# The sensor evaluated in a fresh process: the partitions it asks for, and whether a JVM started.
+SENSOR_IN_FRESH_PROCESS = """
+import json, sys
+from dagster import DagsterInstance, build_sensor_context
+from pyspark import SparkContext
+from assets.offload import offload_eligible_ledgers
+from resources.spark import SparkResource
+from resources.warehouse import WarehouseResource
+resources = {"spark": SparkResource(conf={"spark.driver.memory": "1g"}), "warehouse": WarehouseResource(root=sys.argv[1])}
+result = offload_eligible_ledgers(build_sensor_context(instance=DagsterInstance.ephemeral(), resources=resources))
+print(json.dumps({"keys": [r.partition_key for r in getattr(result, "run_requests", [])],
+                  "jvm": SparkContext._gateway is not None or SparkContext._active_spark_context is not None}))
+"""
+
+
+def sensor_in_fresh_process(root) -> dict:
+    done = subprocess.run([sys.executable, "-c", SENSOR_IN_FRESH_PROCESS, str(root)], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_path):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY + COMMIT_D))])
     derive_buffer_tables(warehouse)
@@ -45,7 +73,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     result = offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources))
     assert isinstance(result, SensorResult)
     wanted = [key(1), key(2), key(3), key(5)]
-    assert [r.partition_key for r in result.run_requests] == wanted
+    assert [r.partition_key for r in result.run_requests] == wanted == [key(l) for _, l in offload_candidates(warehouse)]
     assert [r.run_key for r in result.run_requests] == [f"offload-{k}" for k in wanted]
     assert list(result.dynamic_partitions_requests[0].partition_keys) == wanted
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [key(i) for i in range(1, 8)])  # in ledger order
@@ -66,9 +94,16 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
     assert meta["bytes_saved"] == meta["bytes_before"] - meta["bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
+    assert meta["dagster/row_count"] == meta["entries_kept"] == 7
     assert all(c.passed for c in checks(run).values()), {k: c.metadata for k, c in checks(run).items()}
     assert set(checks(run)) == {"tier_holds_only_committed_data", "tier_within_stable_position_at_offload",
                                 "tier_matches_manifest"}
+
+    # With a manifest and recorded OFFLOADED states, a fresh process's sensor (as in the code server)
+    # decides as `offload_candidates` does, and starts no JVM.
+    fresh = sensor_in_fresh_process(warehouse.settings.warehouse)
+    assert fresh == {"keys": [key(l) for _, l in offload_candidates(warehouse)], "jvm": False}
+    assert fresh["keys"] == [key(5)]
 
     single = offload_run(dagster_resources, instance, partition_key=key(5))
     assert metadata(single, OFFLOAD_MANIFEST)["ledgers_offloaded"] == ["u/5"]

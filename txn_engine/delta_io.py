@@ -206,6 +206,12 @@ class DeltaTables:
             info.update({k: v for k, v in spark_metadata.items() if k not in info})
         return info
 
+    def schema(self, table: str) -> T.StructType | None:
+        """The table's schema from its Delta log (no data read), as Spark types (the log's JSON is
+        Spark's), or None when it does not exist."""
+        handle = self._handle(table)
+        return None if handle is None else T.StructType.fromJson(json.loads(handle.schema().to_json()))
+
     def columns(self, table: str) -> list[str] | None:
         """The column names of the table's latest version, or None when it does not exist."""
         handle = self._handle(table)
