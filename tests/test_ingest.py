@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+from collections import Counter
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,39 +48,58 @@ def test_jsonl_rows_land_typed(warehouse, tmp_path):
     assert not warehouse.exists(QUARANTINE_ENTRIES)
 
 
-def test_csv_and_parquet_give_the_same_table_as_jsonl(spark, tmp_path, warehouse):
+def write_parquet(path, rows, publish_time):
+    """`rows` (tests.rows.entry dicts) as Parquet with typed columns; `publish_time` an Arrow array."""
+    table = pa.table(
+        {
+            "topic": [r["topic"] for r in rows],
+            "ledger_id": pa.array([r["ledger_id"] for r in rows], pa.int64()),
+            "entry_id": pa.array([r["entry_id"] for r in rows], pa.int64()),
+            "entry_type": [r["entry_type"] for r in rows],
+            "txn_most_bits": pa.array([r["txn_most_bits"] for r in rows], pa.int64()),
+            "txn_least_bits": pa.array([r["txn_least_bits"] for r in rows], pa.int64()),
+            "producer_id": pa.array([r["producer_id"] for r in rows], pa.int64()),
+            "producer_epoch": pa.array([r["producer_epoch"] for r in rows], pa.int32()),
+            "sequence_id": pa.array([r["sequence_id"] for r in rows], pa.int64()),
+            "publish_time": publish_time,
+            "key": [r["key"] for r in rows],
+            "payload": pa.array([None if r["payload"] is None else base64.b64decode(r["payload"]) for r in rows], pa.binary()),
+        }
+    )
+    pq.write_table(table, path)
+    return path
+
+
+def test_csv_and_parquet_give_the_same_table_as_jsonl_alone_and_mixed(spark, tmp_path, warehouse):
     from txn_engine.settings import WarehouseSettings
     from txn_engine.warehouse import Warehouse
 
-    ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", GOOD))])
+    jsonl = str(write_jsonl(tmp_path / "a.jsonl", GOOD))
+    ingest_files(warehouse, [jsonl])
     expected = stored(warehouse)
 
+    csv = str(write_csv(tmp_path / "a.csv", GOOD))
     csv_wh = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path / "csv")))
-    summary = ingest_files(csv_wh, [str(write_csv(tmp_path / "a.csv", GOOD))])
+    summary = ingest_files(csv_wh, [csv])
     assert summary.rows_written == 6 and summary.rows_quarantined == 0
     assert stored(csv_wh) == expected
 
-    table = pa.table(
-        {
-            "topic": [r["topic"] for r in GOOD],
-            "ledger_id": pa.array([r["ledger_id"] for r in GOOD], pa.int64()),
-            "entry_id": pa.array([r["entry_id"] for r in GOOD], pa.int64()),
-            "entry_type": [r["entry_type"] for r in GOOD],
-            "txn_most_bits": pa.array([r["txn_most_bits"] for r in GOOD], pa.int64()),
-            "txn_least_bits": pa.array([r["txn_least_bits"] for r in GOOD], pa.int64()),
-            "producer_id": pa.array([r["producer_id"] for r in GOOD], pa.int64()),
-            "producer_epoch": pa.array([r["producer_epoch"] for r in GOOD], pa.int32()),
-            "sequence_id": pa.array([r["sequence_id"] for r in GOOD], pa.int64()),
-            "publish_time": pa.array([dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)] * len(GOOD), pa.timestamp("us", "UTC")),
-            "key": [r["key"] for r in GOOD],
-            "payload": pa.array([None if r["payload"] is None else base64.b64decode(r["payload"]) for r in GOOD], pa.binary()),
-        }
-    )
-    pq.write_table(table, tmp_path / "a.parquet")
+    # A TIMESTAMP column is taken as it is; an integer one is epoch milliseconds (Pulsar's publishTime).
+    typed = str(write_parquet(tmp_path / "a.parquet", GOOD, pa.array(
+        [dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)] * len(GOOD), pa.timestamp("us", "UTC"))))
+    millis = str(write_parquet(tmp_path / "b.parquet", GOOD, pa.array([1767225600000] * len(GOOD), pa.int64())))
     pq_wh = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path / "pq")))
-    summary = ingest_files(pq_wh, [str(tmp_path / "a.parquet")])
+    summary = ingest_files(pq_wh, [typed])
     assert summary.rows_written == 6 and summary.rows_quarantined == 0
     assert stored(pq_wh) == expected
+
+    # All four files in one ingest: each is typed by its own format (a union of the raw files
+    # stored JSONL's base64 text undecoded). The 18 rows after the first file's are repeats,
+    # not position_repeated_in_input, only if every file reads to the same values.
+    mixed_wh = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path / "mixed")))
+    summary = ingest_files(mixed_wh, [millis, jsonl, typed, csv])
+    assert (summary.rows_written, summary.rows_repeated_in_input, summary.rows_quarantined) == (6, 18, 0)
+    assert stored(mixed_wh) == expected
 
 
 BAD_ROWS = [
@@ -93,26 +113,48 @@ BAD_ROWS = [
     ({"ledger_id": 1.5}, "type", "ledger_id is not an integer"),
     ({"producer_epoch": 2**40}, "type", "producer_epoch is not a 32-bit integer"),
     ({"publish_time": "yesterday"}, "type", "publish_time is not an ISO-8601 timestamp"),
+    # Integers are epoch milliseconds: seconds land in 1970, microseconds past 2262 (timestamp[ns]'s end).
+    ({"publish_time": 1767225600}, "publish_time_range",
+     "publish_time must be in [2000-01-01, 2262-04-11) UTC, got 1767225600 (read as 1970-01-21 10:53:45.6 UTC); "
+     "an integer publish_time is epoch milliseconds"),
+    ({"publish_time": "2262-04-11T00:00:00Z"}, "publish_time_range", "got 2262-04-11T00:00:00Z; an integer"),
+    ({"publish_time": 999999999999999999}, "publish_time_range", "got 999999999999999999; "),  # past Spark's own range
     ({"payload": "not base64!"}, "type", "payload is not base64"),
+    ({"payload": "plain text payload"}, "type",
+     "payload is not base64: 'plain text payload'; a payload in JSONL or CSV (or a Parquet string column) must be base64"),
     ({"topic": ""}, "missing", "topic is missing or empty"),
     ({"entry_id": None}, "missing", "entry_id is missing"),
 ]
 
 
 def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
-    # One ingest holds one bad row per rule (line i + 2), so the whole table is checked at once.
+    # One ingest holds one bad row per rule (line i + 2), so the whole table is checked at once;
+    # beside it a Parquet file, typed by its own rules: integer times are epoch milliseconds,
+    # a double id must be whole.
     bad_rows = [{**entry("t", 1, i + 1), **change} for i, (change, _, _) in enumerate(BAD_ROWS)]
     path = write_jsonl(tmp_path / "in.jsonl", [entry("t", 1, 0)] + bad_rows)
-    summary = ingest_files(warehouse, [str(path)])
-    assert (summary.rows_written, summary.rows_quarantined) == (1, len(BAD_ROWS))
-    by_line = {row.line: row for row in quarantine(warehouse)}
+    pq.write_table(pa.table({
+        "topic": ["t"] * 3, "ledger_id": pa.array([2.0, 2.5, 2.0]), "entry_id": pa.array([0, 1, 2], pa.int64()),
+        "entry_type": ["DATA"] * 3, "publish_time": pa.array([1767225600000, 1767225600000, 1767225600], pa.int64()),
+    }), tmp_path / "in.parquet")
+    summary = ingest_files(warehouse, [str(path), str(tmp_path / "in.parquet")])
+    assert (summary.rows_written, summary.rows_quarantined) == (2, len(BAD_ROWS) + 2)
+    rows = quarantine(warehouse)
+    by_line = {row.line: row for row in rows if row.source_file.endswith("in.jsonl")}
     assert sorted(by_line) == list(range(2, len(BAD_ROWS) + 2))
     for i, (change, rule, message) in enumerate(BAD_ROWS):
         row = by_line[i + 2]
         assert row.rule == rule and message in row.reason, (change, row.rule, row.reason)
-        assert row.source_file.endswith("in.jsonl") and json.loads(row.raw) == bad_rows[i]
-    assert summary.quarantine_by_rule == {r: sum(1 for _, x, _ in BAD_ROWS if x == r) for _, r, _ in BAD_ROWS}
-    assert stored(warehouse) == [("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x"))]
+        assert json.loads(row.raw) == bad_rows[i]
+    assert [(r.line, r.rule, r.reason.split(";")[0]) for r in rows if r.source_file.endswith("in.parquet")] == [
+        (2, "type", "ledger_id has type double, expected bigint"),
+        (3, "publish_time_range", "publish_time must be in [2000-01-01, 2262-04-11) UTC, got 1767225600 (read as 1970-01-21 10:53:45.6 UTC)"),
+    ]
+    assert summary.quarantine_by_rule == Counter([r for _, r, _ in BAD_ROWS] + ["type", "publish_time_range"])
+    assert stored(warehouse) == [
+        ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x")),
+        ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None),
+    ]
 
 
 def test_malformed_lines_and_line_numbers_across_file_blocks(spark, warehouse, tmp_path):
@@ -159,11 +201,13 @@ def test_different_row_at_stored_position_is_quarantined_never_overwrites(wareho
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", GOOD))])
     before = stored(warehouse)
     changed = {**GOOD[0], "key": "changed"}
-    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [changed, entry("orders-0", 5, 1)]))])
-    assert (summary.rows_written, summary.rows_quarantined) == (1, 1)
-    [row] = quarantine(warehouse)
-    assert row.rule == "position_conflict"
-    assert "position orders-0 3:0 already holds a different entry" in row.reason
+    micros = {**GOOD[1], "publish_time": 1767225600000000}  # a unit mistake at a stored position
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [changed, entry("orders-0", 5, 1), micros]))])
+    assert (summary.rows_written, summary.rows_quarantined) == (1, 2)
+    conflict, out_of_range = quarantine(warehouse)
+    assert conflict.rule == "position_conflict"
+    assert "position orders-0 3:0 already holds a different entry" in conflict.reason
+    assert out_of_range.rule == "publish_time_range" and "got 1767225600000000 (read as +57971" in out_of_range.reason
     assert len(stored(warehouse)) == len(before) + 1 and set(before) <= set(stored(warehouse))
 
 

@@ -5,13 +5,21 @@ a readable reason, its source file and line. Ingest is idempotent by position: a
 to the stored one at its position is skipped, a different row at a stored position is
 quarantined, never overwritten. File-level problems (missing, unknown format, unreadable,
 missing columns) are found before anything is written.
+
+Each file is typed by its own format's rules, so a row is stored the same whatever other files
+share the ingest: JSONL and CSV values are text (integers, ISO-8601 or epoch-millisecond times,
+base64 payloads); a Parquet column keeps its type, and a string column follows the text rules.
+An integer publish_time is epoch milliseconds (Pulsar's publishTime) in every format, and a
+publish_time outside [2000-01-01, 2262-04-11) UTC is quarantined (see PUBLISH_TIME_RANGE).
 """
 
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import uuid
 from dataclasses import dataclass, field
+from functools import reduce
 from typing import Sequence
 
 from pyspark import StorageLevel
@@ -19,11 +27,17 @@ from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     BinaryType,
+    ByteType,
+    DateType,
+    FractionalType,
     IntegerType,
     LongType,
+    NullType,
+    ShortType,
     StringType,
     StructField,
     StructType,
+    TimestampNTZType,
     TimestampType,
 )
 from pyspark.errors import PySparkException
@@ -48,6 +62,19 @@ REQUIRED_COLUMNS = ("topic", "ledger_id", "entry_id", "entry_type")
 # Rows per file ingest writes (about 18 MB of generated entries).
 ROWS_PER_FILE = 1_000_000
 _ID_COLUMNS = ("ledger_id", "entry_id", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id")
+
+# Stored publish times, UTC, [start, end). The end is where timestamp[ns] ends (2262-04-11), which
+# pandas, delta-rs and the CLI's Arrow reads need; the start is before any message log existed, and
+# catches the usual unit mistake: epoch seconds read as milliseconds land in January 1970 (and
+# microseconds far past the end).
+PUBLISH_TIME_RANGE = (dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc), dt.datetime(2262, 4, 11, tzinfo=dt.timezone.utc))
+_RANGE_MS = tuple(int(t.timestamp()) * 1000 for t in PUBLISH_TIME_RANGE)
+# Beyond this many milliseconds Spark's timestamp (microseconds in a long) overflows.
+_MAX_SPARK_MS = 9_000_000_000_000_000
+_INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
+# Standard base64, padded: Spark's own decoder skips characters outside the alphabet, so
+# "plain text payload" would decode to bytes nobody wrote.
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
 # What happened to each input row.
 NEW, PRESENT, REPEATED, QUARANTINED = "NEW", "PRESENT", "REPEATED_IN_INPUT", "QUARANTINED"
@@ -253,7 +280,10 @@ def _read_parquet(spark: SparkSession, source: SourceFile) -> DataFrame:
 
 
 def validate(raw: DataFrame) -> DataFrame:
-    """Typed ledger_entries columns plus `rule`/`reason` (null for a valid row). Pure."""
+    """Typed ledger_entries columns plus `rule`/`reason` (null for a valid row). Pure.
+
+    `raw` is one file's rows (`read_raw`): its column types say which format's rules apply.
+    """
     typed: dict[str, Column] = {}
     errors: list[Column] = [F.col("_parse_error")]
     for target in LEDGER_ENTRIES_SCHEMA.fields:
@@ -301,7 +331,8 @@ def validate(raw: DataFrame) -> DataFrame:
         "source_file",
         "line",
         "raw",
-        *[t[c].alias(c) for c in LEDGER_ENTRY_COLUMNS],
+        # Cast: every file's validated rows have the same schema, so they union as they are.
+        *[t[f.name].cast(f.dataType).alias(f.name) for f in LEDGER_ENTRIES_SCHEMA.fields],
         F.when(F.size(problems) > 0, F.split_part(first, F.lit(":"), F.lit(1))).alias("rule"),
         F.when(
             F.size(problems) > 0,
@@ -314,6 +345,8 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
     """(typed value, error message or null) for one column, from a string or an already typed source."""
     col = F.col(name)
     source_type = raw.schema[name].dataType
+    if isinstance(target, TimestampType):
+        return _publish_time(name, source_type)
     if isinstance(source_type, type(target)) and not isinstance(target, StringType):
         return col, F.lit(None).cast("string")
     if isinstance(target, StringType):
@@ -321,25 +354,73 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
     if not isinstance(source_type, StringType):
         value = F.expr(f"try_cast(`{name}` as {target.simpleString()})")
         bad = col.isNotNull() & value.isNull()
+        if isinstance(source_type, FractionalType) and isinstance(target, _INTEGRAL):
+            bad = bad | (value != col)  # 1.5 is no id (try_cast would truncate it to 1)
         return value, F.when(bad, F.lit(f"type:{name} has type {source_type.simpleString()}, expected {target.simpleString()}"))
-    text = F.trim(col)
     if isinstance(target, (LongType, IntegerType)):
         value = F.expr(f"try_cast(trim(`{name}`) as {target.simpleString()})")
         what = "an integer" if isinstance(target, LongType) else "a 32-bit integer"
-    elif isinstance(target, TimestampType):
-        value = F.coalesce(
-            F.expr(f"try_cast(trim(`{name}`) as timestamp)"),
-            F.when(text.rlike("^[0-9]{1,15}$"), F.timestamp_millis(F.expr(f"try_cast(trim(`{name}`) as bigint)"))),
-        )
-        what = "an ISO-8601 timestamp or epoch milliseconds"
     elif isinstance(target, BinaryType):
-        value = F.expr(f"try_to_binary(`{name}`, 'base64')")
+        value = F.when(col.rlike(_BASE64), F.unbase64(col))
         what = "base64"
     else:
         raise TypeError(f"no parser for {target}")
     bad = col.isNotNull() & value.isNull()
     message = F.concat(F.lit(f"type:{name} is not {what}: '"), F.substring(col, 1, 60), F.lit("'"))
+    if isinstance(target, BinaryType):
+        message = F.concat(message, F.lit(
+            "; a payload in JSONL or CSV (or a Parquet string column) must be base64: only A-Z a-z 0-9 + /, "
+            "padded with = to a multiple of 4 characters. Encode the payload bytes as base64 (or write a "
+            "Parquet binary column) and ingest the row again"
+        ))
     return value, F.when(bad, message)
+
+
+def _publish_time(name: str, source_type) -> tuple[Column, Column]:
+    """publish_time by its file's type: a text holds ISO-8601 or epoch milliseconds, a Parquet
+    integer is epoch milliseconds, a Parquet timestamp (or date) is kept as it is (one without a
+    time zone is UTC, the session's). Out of PUBLISH_TIME_RANGE is its own rule."""
+    col = F.col(name)
+    millis = parsed = None
+    if isinstance(source_type, StringType):
+        text = F.trim(col)
+        millis = F.when(text.rlike("^-?[0-9]{1,18}$"), F.expr(f"try_cast(trim(`{name}`) as bigint)"))
+        parsed = F.when(millis.isNull(), F.expr(f"try_cast(trim(`{name}`) as timestamp)"))
+        what = f"type:{name} is not an ISO-8601 timestamp or integer epoch milliseconds: '"
+    elif isinstance(source_type, _INTEGRAL):
+        millis = col.cast("bigint")
+    elif isinstance(source_type, (TimestampType, TimestampNTZType, DateType, NullType)):
+        parsed = col.cast("timestamp")
+    else:
+        message = f"type:{name} has type {source_type.simpleString()}, expected a timestamp or integer epoch milliseconds"
+        return F.lit(None).cast("timestamp"), F.when(col.isNotNull(), F.lit(message))
+    if millis is not None:
+        # Guarded: Spark fails the whole job on a timestamp it cannot hold.
+        from_millis = F.timestamp_millis(F.when(F.abs(millis) <= _MAX_SPARK_MS, millis))
+        value = from_millis if parsed is None else F.coalesce(parsed, from_millis)
+    else:
+        value = parsed
+    start, end = _RANGE_MS
+    ms = F.coalesce(millis, F.unix_millis(value)) if millis is not None else F.unix_millis(value)
+    out_of_range = (ms < start) | (ms >= end)
+    read_as = F.lit("")
+    if millis is not None:  # show what an integer meant
+        meant = F.when(millis.isNotNull(), F.concat(F.lit(" (read as "), value.cast("string"), F.lit(" UTC)")))
+        read_as = F.coalesce(meant, F.lit(""))
+    range_message = F.concat(
+        F.lit(f"publish_time_range:{name} must be in [{PUBLISH_TIME_RANGE[0]:%Y-%m-%d}, "
+              f"{PUBLISH_TIME_RANGE[1]:%Y-%m-%d}) UTC, got "),
+        col.cast("string"),
+        read_as,
+        F.lit("; an integer publish_time is epoch milliseconds (seconds or microseconds fall outside). "
+              "Correct the value (epoch milliseconds or an ISO-8601 time) and ingest the row again"),
+    )
+    error = F.when(out_of_range, range_message)
+    if isinstance(source_type, StringType):
+        type_message = F.concat(F.lit(what), F.substring(col, 1, 60), F.lit("'"))
+        error = F.when(col.isNotNull() & ms.isNull(), type_message).otherwise(error)
+    # An out-of-range time is never stored; its quarantine reason carries the value as given.
+    return F.when(~F.coalesce(out_of_range, F.lit(False)), value), error
 
 
 def classify(validated: DataFrame, existing: DataFrame) -> DataFrame:
@@ -410,17 +491,15 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     """Validate and append raw ledger files; see the module docstring for the rules."""
     spark = warehouse.spark
     sources = resolve_sources(spark, paths)
-    raw_frames = [read_raw(spark, s) for s in sources]
-    raw = raw_frames[0]
-    for frame in raw_frames[1:]:
-        raw = raw.unionByName(frame)
+    # Validated file by file: a union of raw files would coerce one file's columns to another's
+    # types (JSONL's base64 text becoming Parquet's binary, undecoded).
+    validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s)) for s in sources])
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
         files=[s.path for s in sources],
         table_location=warehouse.path(LEDGER_ENTRIES),
         quarantine_location=warehouse.path(QUARANTINE_ENTRIES),
     )
-    validated = validate(raw)
     # Hold the entries table's lock from reading what is stored until the append commits, so a
     # concurrent ingest cannot slip a row in between the check and the write.
     with warehouse.writer(LEDGER_ENTRIES):
