@@ -94,8 +94,9 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     oracle.trim_ledgers([1, 2, 3])
     assert [("t", *txn, *pos) for txn, pos in oracle.aborts.items()] == trimmed
 
-    # Readers see the same log: deleted ledgers from the tier, the rest hot, also after the recompute
-    # (where the retried send t/4:4 of the deleted t/2:1 is no longer a duplicate in the hot view).
+    # Readers see the same log: deleted ledgers from the tier, the rest hot, also after a recompute
+    # without the buffer's state (a stateless replay of what is left, where the retried send t/4:4
+    # of the deleted t/2:1 is no longer a duplicate in the hot view: the reader's tier guard drops it).
     assert {t: read_positions(wh, t) for t in ("t", "u")} == before
     derive_buffer_tables(wh)
     assert (4, 4) in [(r.ledger_id, r.entry_id) for r in wh.read(COMMITTED_ENTRIES).where("topic = 't'").collect()]
