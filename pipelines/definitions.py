@@ -9,7 +9,7 @@ are serialized by the per-table writer locks.
 
 from __future__ import annotations
 
-from dagster import AssetSelection, Definitions, define_asset_job, in_process_executor
+from dagster import AssetKey, AssetSelection, AssetSpec, Definitions, define_asset_job, in_process_executor, map_asset_specs
 
 from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
 from assets.ledger import ingest_ledger_entries, ledgers
@@ -25,6 +25,7 @@ from assets.offload import (
 )
 from assets.snapshots import GROUP as SNAPSHOT_GROUP
 from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
+from assets.sql_models import GROUP as SQL_MODELS_GROUP
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
 from pipelines.buffer_sensors import ledgers_closed_sensor, transaction_buffer_job
@@ -36,7 +37,19 @@ from txn_engine.buffer_incremental import STATE_TABLES
 from txn_engine.engine import ENGINE_TABLES
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
-ALL_ASSETS = [
+
+
+def _with_kinds(spec: AssetSpec) -> AssetSpec:
+    """The UI's kind tags: every asset is a Delta table; computed by Spark, by a SQL model on Spark,
+    or (the demo workload) by the engine in Python."""
+    if spec.key == AssetKey(DEMO_WORKLOAD):
+        return spec.merge_attributes(kinds={"python", "delta"})
+    if spec.group_name == SQL_MODELS_GROUP:
+        return spec.merge_attributes(kinds={"sql", "spark", "delta"})
+    return spec.merge_attributes(kinds={"spark", "delta"})
+
+
+ALL_ASSETS = map_asset_specs(_with_kinds, [
     ingest_ledger_entries,
     ledgers,
     transaction_buffer_tables,
@@ -45,7 +58,7 @@ ALL_ASSETS = [
     *SNAPSHOT_ASSETS,
     offload_tier,
     ledger_retention,
-]
+])
 ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 
 # Everything derived from what the warehouse already holds; ingest adds data and is not in it.

@@ -30,6 +30,10 @@ def test_definitions_load_with_every_asset_and_sql_deps():
     assert defs.resolve_schedule_def("retention_schedule").job_name == "retention"
     assert retention_job.selection.resolve(graph) == {AssetKey("deleted_ledgers")}
     assert AssetKey("deleted_ledgers") not in DERIVED_SELECTION.resolve(graph)
+    # The UI's kind tags: what holds each table and what computes it.
+    assert graph.get(AssetKey("committed_entries")).kinds == {"spark", "delta"}
+    assert graph.get(AssetKey("ledger_sizes")).kinds == {"sql", "spark", "delta"}
+    assert graph.get(AssetKey("demo_workload")).kinds == {"python", "delta"}
 
 
 def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_root, tmp_path):
