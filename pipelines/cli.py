@@ -6,44 +6,112 @@ import argparse
 import os
 import sys
 import time
+import uuid
 from typing import Sequence
 
 from txn_engine.errors import TxnlakeError
 
 
+# What `make` writes to DAGSTER_HOME/dagster.yaml (the Makefile's rule): no telemetry.
+DAGSTER_YAML = "telemetry:\n  enabled: false\n"
+
+
 def _instance():
     from dagster import DagsterInstance
 
-    # With DAGSTER_HOME (as `make run` sets it) the runs show up in `dagster dev`.
-    home = os.environ.get("DAGSTER_HOME")
-    if not home:
-        return DagsterInstance.ephemeral()
+    # One instance for every command, so that `make ui` shows their runs and the ledger partitions
+    # they add persist: DAGSTER_HOME (`make` sets it), else ./.dagster_home, as `make` would.
+    home = os.path.abspath(os.environ.get("DAGSTER_HOME") or ".dagster_home")
     os.makedirs(home, exist_ok=True)
-    return DagsterInstance.get()
+    config = os.path.join(home, "dagster.yaml")
+    if not os.path.exists(config):
+        with open(config, "w") as f:
+            f.write(DAGSTER_YAML)
+    return DagsterInstance.from_config(home)
 
 
-def _materialize(selection, run_config: dict | None = None, instance=None, tags: dict | None = None):
-    """Materialize assets in this process (one SparkSession), unwrapping user errors."""
-    from dagster import DagsterExecutionStepExecutionError, materialize
+def _open_warehouse():
+    """The warehouse of the configured resources (`pipelines.definitions.RESOURCES`), as every run
+    sees it; Spark starts only when something needs it (delta-rs reads need none)."""
+    from pipelines.definitions import RESOURCES
+
+    return RESOURCES["warehouse"].open(RESOURCES["spark"].session)
+
+
+def _user_error_names() -> set[str]:
+    names, todo = set(), [TxnlakeError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names
+
+
+def _is_user_error_failure(record) -> bool:
+    """A step's or run's failure log record whose error is a TxnlakeError (a user error the CLI
+    prints as one line); unexpected errors keep their traces."""
+    from dagster import DagsterEventType
+    from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
+
+    event = (getattr(record, LOG_RECORD_METADATA_ATTR, None) or {}).get("dagster_event")
+    if event is None or event.event_type not in (DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE):
+        return False
+    error = getattr(event.event_specific_data, "error", None)
+    # A step failure wraps the user's exception as its cause; a run failure is the exception itself.
+    if error is not None and error.cls_name == "DagsterExecutionStepExecutionError":
+        error = error.cause
+    return error is not None and error.cls_name in _user_error_names()
+
+
+def _console_logger():
+    """Dagster's console logger without the stack traces of user errors."""
+    from dagster import LoggerDefinition, colored_console_logger
+
+    def make(init_context):
+        log = colored_console_logger.logger_fn(init_context)
+        log.addFilter(lambda record: not _is_user_error_failure(record))
+        return log
+
+    return LoggerDefinition(make, config_schema=colored_console_logger.config_schema,
+                            description=colored_console_logger.description)
+
+
+def _materialize(selection, run_config: dict | None = None, instance=None, tags: dict | None = None,
+                 partition_key: str | None = None):
+    """Materialize assets in this process (one SparkSession), unwrapping user errors.
+
+    `dagster.materialize` with our console logger: a user error (TxnlakeError) is raised as itself,
+    its message naming what to do, with a note of the run that holds the full log."""
+    from dagster import DagsterExecutionStepExecutionError, Definitions, define_asset_job
+    from dagster._core.definitions.materialize import EPHEMERAL_JOB_NAME
 
     from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, RESOURCES
 
+    instance = instance or _instance()
     config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}, **(run_config or {})}
+    defs = Definitions(jobs=[define_asset_job(EPHEMERAL_JOB_NAME, selection=selection)], assets=[*ALL_ASSETS, *ALL_CHECKS],
+                       resources=RESOURCES, loggers={"console": _console_logger()})
+    run_id = str(uuid.uuid4())
     try:
-        return materialize(
-            [*ALL_ASSETS, *ALL_CHECKS], selection=selection, resources=RESOURCES, run_config=config,
-            instance=instance or _instance(), tags=tags,
+        return defs.resolve_job_def(EPHEMERAL_JOB_NAME).execute_in_process(
+            run_config=config, instance=instance, partition_key=partition_key, tags=tags, run_id=run_id,
         )
-    except DagsterExecutionStepExecutionError as exc:
-        cause = exc.user_exception or exc.__cause__
+    except Exception as exc:
+        # In process, Dagster raises the asset's own exception (or wraps it in a step error).
+        cause = (exc.user_exception or exc.__cause__) if isinstance(exc, DagsterExecutionStepExecutionError) else exc
         if isinstance(cause, TxnlakeError):
+            where = ("an ephemeral Dagster instance" if instance.is_ephemeral
+                     else f"the Dagster instance at {instance.root_directory} (`make ui` shows it)")
+            cause.add_note(f"run {run_id} failed; its full log is in {where}")
             raise cause from None
         raise
 
 
-def _print_materializations(result) -> None:
-    # A run over a partition range reports each asset once per partition: print each asset once.
-    latest = {e.event_specific_data.materialization.asset_key: e for e in result.get_asset_materialization_events()}
+def _print_materializations(*results) -> None:
+    # A run over a partition range reports each asset once per partition, and several runs may
+    # materialize one asset: print each asset once, as last materialized.
+    latest = {e.event_specific_data.materialization.asset_key: e
+              for result in results for e in result.get_asset_materialization_events()}
     for event in latest.values():
         mat = event.event_specific_data.materialization
         meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
@@ -72,13 +140,24 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_closed_ledger_partitions(instance, wh) -> None:
+    """Add the `ledgers` catalog's newly closed ledgers as ledger partitions (what the
+    ledgers_closed_sensor does), in ledger order."""
+    from pipelines.buffer_sensors import new_closed_ledger_keys
+    from pipelines.partitions import LEDGER_PARTITIONS
+
+    new = new_closed_ledger_keys(wh, instance)
+    if new:
+        instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
+        print(f"  {len(new)} newly closed ledger(s) added as ledger partitions (transaction buffer, offload tier)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pipelines.definitions import DERIVED_SELECTION
 
     from dagster import AssetSelection
 
-    from pipelines.buffer_sensors import BUFFER_SELECTION, new_closed_ledger_keys, range_tags
-    from pipelines.definitions import RESOURCES
+    from pipelines.buffer_sensors import BUFFER_SELECTION, range_tags
     from pipelines.partitions import LEDGER_PARTITIONS
     from txn_engine.schema import LEDGERS
 
@@ -88,10 +167,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     catalog = _materialize(AssetSelection.assets(LEDGERS), instance=instance)
     # The transaction buffer is partitioned by closed ledger: add the newly closed ones, then run
     # the whole range (a full recompute; the OPEN ledgers are included by every buffer run).
-    new = new_closed_ledger_keys(RESOURCES["warehouse"].open(RESOURCES["spark"].session()), instance)
-    if new:
-        instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
-        print(f"  {len(new)} newly closed ledger(s) added as partitions of the transaction buffer")
+    _add_closed_ledger_partitions(instance, _open_warehouse())
     keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     rest = DERIVED_SELECTION - AssetSelection.assets(LEDGERS)
     if keys:
@@ -106,14 +182,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from resources.spark import get_spark
-    from txn_engine.settings import WarehouseSettings
     from txn_engine.sql_models import load_model, run_model
-    from txn_engine.warehouse import Warehouse
 
     model = load_model(args.file)
     print(f"-- {model.name}: reads {', '.join(model.reads) or 'no table'}")
-    result = run_model(Warehouse(get_spark(), WarehouseSettings()), model)
+    result = run_model(_open_warehouse(), model)
     result.show(args.limit, truncate=False)
     return 0
 
@@ -161,12 +234,40 @@ def cmd_txn(args: argparse.Namespace) -> int:
     from pipelines.txn_cli import run_txn_command
 
     return run_txn_command(args)
-def _open_warehouse():
-    from resources.spark import get_spark
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
 
-    return Warehouse(get_spark(), WarehouseSettings())
+
+PAYLOAD_CHARS = 60  # of each payload `txnlake read` prints
+
+
+def payload_text(payload) -> str:
+    """A payload on one line: as text when it is printable UTF-8 (no newline, no tab), else as
+    a Python bytes literal (b'...'); at most PAYLOAD_CHARS characters of either, then '...'."""
+    if payload is None:
+        return ""
+    raw = bytes(payload)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if text is not None and text.isprintable():
+        return text if len(text) <= PAYLOAD_CHARS else text[:PAYLOAD_CHARS] + "..."
+    # Escaped: cut whole bytes, not an escape sequence in half.
+    shown = raw[:PAYLOAD_CHARS]
+    while len(repr(shown)) > PAYLOAD_CHARS:
+        shown = shown[:-1]
+    return repr(shown) + ("..." if len(shown) < len(raw) else "")
+
+
+def _known_topics(wh) -> set[str]:
+    """Topics of the `ledgers` catalog (deleted ledgers included) and of ledger_entries, by delta-rs."""
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.ledgers import ledger_ranges
+    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, LEDGERS_SCHEMA
+
+    topics = set(DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic"])["topic"].to_pylist())
+    if wh.exists(LEDGER_ENTRIES):  # the catalog is as old as the last `txnlake run`
+        topics |= set(ledger_ranges(wh)["topic"].to_pylist())
+    return topics
 
 
 def cmd_read(args: argparse.Namespace) -> int:
@@ -177,30 +278,153 @@ def cmd_read(args: argparse.Namespace) -> int:
         start = Position.parse(args.from_position)
     except ValueError as exc:
         raise TxnlakeError(str(exc)) from None
-    batch = TopicReader(_open_warehouse()).read(args.topic, start, args.max)
+    wh = _open_warehouse()
+    batch = TopicReader(wh).read(args.topic, start, args.max)
+    if not batch.entries:
+        # Nothing read: say so when the topic is unknown, rather than print an empty topic.
+        known = _known_topics(wh)
+        if args.topic not in known:
+            listed = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
+            raise TxnlakeError(f"unknown topic {args.topic!r}; the warehouse has "
+                               + (f"{len(known)} topic(s): {listed}" if known else "no topic yet (`txnlake ingest FILE`)"))
     for e in batch.entries:
         txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
-        payload = "" if e.payload is None else bytes(e.payload)[:60].decode("utf-8", errors="replace")
-        print(f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={e.key or ''}\t{payload}")
+        print(f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={e.key or ''}\t{payload_text(e.payload)}")
     nxt = batch.next_position
     print(f"-- {len(batch.entries)} entries" + (f"; continue with --from {nxt}" if nxt else ""))
     return 0
 
 
-def cmd_offload(args: argparse.Namespace) -> int:
-    from txn_engine.offload import offload_ledgers
+def _refresh_stale_catalog(instance, wh) -> None:
+    """Materialize `ledgers` when it is missing or older than ledger_entries' last rows (an ingest
+    since the last `txnlake run`), and add its newly closed ledgers as partitions."""
+    from dagster import AssetSelection
 
-    result = offload_ledgers(_open_warehouse(), args.ledgers or None)
-    for key in result.offloaded:
-        print(f"  offloaded {key[0]}/{key[1]}")
-    for key, reason in sorted(result.waiting.items()):
-        print(f"  waiting   {key[0]}/{key[1]}: {reason}")
-    for key in result.finished_orphans + result.rolled_back_orphans:
-        print(f"  recovered {key[0]}/{key[1]} ({'finished' if key in result.finished_orphans else 'rolled back'})")
-    print(f"offloaded {len(result.offloaded)} ledger(s), deciding from {result.facts_from}, "
-          f"copying from {result.kept_from}: {result.savings()}")
-    print(f"took {result.time_spent()}")
-    return 0
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
+
+    tables = DeltaTables(wh)
+    if not wh.exists(LEDGER_ENTRIES):
+        raise wh.missing(LEDGER_ENTRIES)
+    entries, catalog = tables.last_rows_commit(LEDGER_ENTRIES), tables.last_commit(LEDGERS)
+    if catalog is None or entries is None or catalog["timestamp"] < entries["timestamp"]:
+        _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))
+    _add_closed_ledger_partitions(instance, wh)
+
+
+def _catalog_ledgers(wh, ledger_ids: list[int]):
+    """The `ledgers` catalog's rows of `ledger_ids`; an error naming the ids it does not hold."""
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
+
+    rows = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"]).to_pylist()
+    by_id = {r["ledger_id"]: r for r in rows}
+    unknown = sorted(set(ledger_ids) - set(by_id))
+    if unknown:
+        span = f"ledgers {min(by_id)}..{max(by_id)}" if by_id else "no ledger"
+        raise TxnlakeError(
+            f"ledger(s) {', '.join(map(str, unknown))} not in the `ledgers` catalog ({len(by_id)} ledger(s): {span}); "
+            "nothing was offloaded. `txnlake sql dbt-free-sql/ledger_sizes.sql` lists them.")
+    return [by_id[i] for i in sorted(set(ledger_ids))]
+
+
+def _partition_spans(order: list[str], keys: set[str], contiguous: bool) -> list[tuple[str, str]]:
+    """(first, last) partition ranges over `keys`, in the instance's partition order: one span
+    from the first to the last, or (contiguous) one per run of consecutive keys, so that no
+    other ledger is in a range."""
+    spans: list[tuple[str, str]] = []
+    previous = None
+    for position, key in enumerate(order):
+        if key not in keys:
+            continue
+        if spans and (not contiguous or previous == position - 1):
+            spans[-1] = (spans[-1][0], key)
+        else:
+            spans.append((key, key))
+        previous = position
+    return spans
+
+
+def cmd_offload(args: argparse.Namespace) -> int:
+    from dagster import AssetKey, AssetSelection
+
+    from assets.offload import OFFLOAD_SELECTION
+    from pipelines.buffer_sensors import range_tags
+    from pipelines.partitions import LEDGER_PARTITIONS
+    from txn_engine.errors import TableMissingError
+    from txn_engine.offload import OffloadResult, offload_candidates
+    from txn_engine.positions import ledger_partition_key
+    from txn_engine.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
+
+    started = time.perf_counter()
+    instance, wh = _instance(), _open_warehouse()
+    _refresh_stale_catalog(instance, wh)
+    waiting: dict[str, str] = {}
+    if args.ledgers:
+        keys = set()
+        for row in _catalog_ledgers(wh, args.ledgers):
+            if row["state"] == "OPEN":  # not a partition (those are closed ledgers): nothing to run
+                waiting[f"{row['topic']}/{row['ledger_id']}"] = "ledger is OPEN"
+            else:
+                keys.add(ledger_partition_key(row["ledger_id"]))
+    else:
+        if not wh.exists(STABLE_POSITIONS):
+            raise TableMissingError(f"table {STABLE_POSITIONS} does not exist yet at {wh.path(STABLE_POSITIONS)}: which "
+                                    "ledgers are eligible depends on it; materialize the transaction buffer first (`txnlake run`).")
+        # As the offload sensor chooses: eligible by the stored stable positions, not offloaded yet.
+        keys = {ledger_partition_key(ledger_id) for _, ledger_id in offload_candidates(wh)}
+    known = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    missing = sorted(keys - set(known))
+    if missing:
+        instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, missing)
+    # One run per range of ledger partitions; without LEDGER_IDs one range over every eligible
+    # ledger (those between that are not are reported waiting; re-running one is harmless).
+    spans = _partition_spans(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name), keys, contiguous=bool(args.ledgers))
+    runs = [_materialize(OFFLOAD_SELECTION, instance=instance, partition_key=first) if first == last
+            else _materialize(OFFLOAD_SELECTION, instance=instance, tags=range_tags(first, last))
+            for first, last in spans]
+
+    timing = OffloadResult()
+    metas = []
+    for run in runs:
+        [meta] = [{k: getattr(v, "value", v) for k, v in e.event_specific_data.materialization.metadata.items()}
+                  for e in run.get_asset_materialization_events()[:1]]  # every partition's has the run's metadata
+        metas.append(meta)
+        waiting.update(meta["ledgers_waiting"])
+        for step, seconds in meta["step_seconds"].items():
+            timing.step_seconds[step] = timing.step_seconds.get(step, 0.0) + seconds
+    offloaded = [k for m in metas for k in m["ledgers_offloaded"]]
+    for key in offloaded:
+        print(f"  offloaded {key}")
+    for key, reason in sorted(waiting.items()):
+        print(f"  waiting   {key}: {reason}")
+    recovered = {k: v for m in metas for v in ("finished", "rolled_back") for k in m["recovered"][v]}
+    for key, how in sorted(recovered.items()):
+        print(f"  recovered {key} ({how.replace('_', ' ')})")
+    already = sum(m["ledgers_already_offloaded"] for m in metas)
+    savings = {k: sum(m[k] for m in metas) for k in timing.savings()}  # OffloadResult.savings() names the totals
+    if metas:
+        print(f"offloaded {len(offloaded)} ledger(s)" + (f" ({already} already were)" if already else "")
+              + f", deciding from {metas[-1]['facts_from']}, copying from {metas[-1]['kept_from']}: {savings}")
+        print(f"took {timing.time_spent()}")
+    else:
+        print("no ledger to offload" + ("" if args.ledgers else
+              ": none is CLOSED, at or below its topic's stable position and not offloaded yet"))
+    if offloaded or recovered or any(m["recovered"]["states_recorded"] for m in metas):
+        # What the offload changed: the catalog's states (OFFLOADED), and the models over it and the tier.
+        refreshed = [LEDGERS, "ledger_sizes", *(["tier_sizes"] if wh.exists(OFFLOAD_MANIFEST) else [])]
+        runs.append(_materialize(AssetSelection.assets(*map(AssetKey, refreshed)), instance=instance))
+    elif not runs and wh.exists(OFFLOAD_MANIFEST):
+        runs.append(_materialize(AssetSelection.checks_for_assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST), instance=instance))
+    _print_materializations(*runs)
+    # A check evaluated in several runs: failed when any run failed it.
+    checks: dict[str, bool] = {}
+    for check in (c for run in runs for c in run.get_asset_check_evaluations()):
+        checks[check.check_name] = checks.get(check.check_name, True) and check.passed
+    for name, passed in checks.items():
+        print(f"  check {name}: {'passed' if passed else 'FAILED'}")
+    print(f"done in {time.perf_counter() - started:.1f}s")
+    return 0 if all(checks.values()) else 1
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
@@ -283,14 +507,20 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.txn_cli import add_txn_parser
 
     add_txn_parser(sub, cmd_txn)
-    p = sub.add_parser("read", help="read a topic from a position, hot ledgers and offload tier together")
+    p = sub.add_parser("read", help="read a topic from a position, hot ledgers and offload tier together",
+                       description="Prints one line per entry: position, tier, transaction, key, payload. A payload "
+                       "prints as text when it is printable UTF-8 (no newline or tab), otherwise as a Python bytes "
+                       f"literal (b'...'); either is cut at {PAYLOAD_CHARS} characters, then '...'.")
     p.add_argument("topic")
     p.add_argument("--from", dest="from_position", default="-1:-1", metavar="L:E",
                    help="start position, inclusive (default: the beginning); a filtered-out position starts at the next entry")
     p.add_argument("--max", type=int, default=None, metavar="N", help="at most N entries (default all)")
     p.set_defaults(func=cmd_read)
 
-    p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier")
+    p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier (a Dagster run)",
+                       description="Materializes offloaded_entries and offload_manifest for the ledger partitions "
+                       "(LEDGER_IDs, else every eligible ledger) with their checks, then refreshes ledgers, ledger_sizes "
+                       "and tier_sizes. Exit 1 when a check fails, 2 on an error.")
     p.add_argument("ledgers", nargs="*", type=int, metavar="LEDGER_ID", help="only these ledgers (default: every eligible one)")
     p.set_defaults(func=cmd_offload)
 
@@ -313,6 +543,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except TxnlakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        for note in getattr(exc, "__notes__", ()):
+            print(f"  {note}", file=sys.stderr)
         return 2
     except ValueError as exc:
         if getattr(args, "command", None) != "txn":

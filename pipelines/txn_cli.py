@@ -6,15 +6,20 @@ import argparse
 import getpass
 from datetime import datetime, timedelta, timezone
 
-from txn_engine.settings import WarehouseSettings
+from txn_engine.schema import TXN_STATES
 from txn_engine.transaction_buffer import TxnId
+
+# The states `txn list` shows: txn_log's, and those of transactions known only from the ledgers
+# (txn_engine.txn_admin.ledger_state).
+LIST_STATES = (*TXN_STATES, "PARTIALLY_COMMITTED", "MIXED")
 
 
 def add_txn_parser(sub, handler) -> None:
     p = sub.add_parser("txn", help="inspect and abort transactions (txn_log and ledgers)")
     txn_sub = p.add_subparsers(dest="txn_command", required=True)
     q = txn_sub.add_parser("list", help="every known transaction, from txn_log and from the ledgers")
-    q.add_argument("--state", help="only this state, e.g. ONGOING or COMPLETE_ABORT")
+    q.add_argument("--state", type=str.upper, choices=LIST_STATES, metavar="STATE",
+                   help=f"only this state (any case), one of {', '.join(LIST_STATES)}")
     q.add_argument("--limit", type=int, default=100, help="rows to print (default 100)")
     q = txn_sub.add_parser("describe", help="one transaction: state, topics, history")
     q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
@@ -36,10 +41,12 @@ def _admin(warehouse):
 
 
 def _warehouse():
+    from pipelines.definitions import RESOURCES
     from txn_engine.warehouse import Warehouse
 
-    # No Spark: the engine and these tools read and write Delta through delta-rs.
-    return Warehouse(None, WarehouseSettings())
+    # The configured warehouse resource, as the runs see it. No Spark: the engine and these tools
+    # read and write Delta through delta-rs.
+    return Warehouse(None, RESOURCES["warehouse"].settings())
 
 
 def _time(value) -> str:
@@ -64,7 +71,7 @@ def run_txn_command(args: argparse.Namespace) -> int:
     warehouse = _warehouse()
     command = args.txn_command
     if command == "list":
-        infos = [i for i in _admin(warehouse).transactions().values() if not args.state or i.state == args.state.upper()]
+        infos = [i for i in _admin(warehouse).transactions().values() if not args.state or i.state == args.state]
         print(f"{'TXN':<12} {'STATE':<20} {'SOURCE':<8} {'TRANSACTIONAL ID':<28} {'STARTED':<19} TOPICS")
         for info in infos[: args.limit]:
             topics = ",".join(f"{p.topic}={p.state}" for p in info.parts) or "-"

@@ -1,15 +1,32 @@
-"""`txnlake` end to end, in-process: generate, ingest, run, sql, and its errors."""
+"""`txnlake` end to end, in-process: generate, ingest, run, sql, offload, read, and its errors."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
-from pipelines.cli import main
+import pytest
+
+from pipelines.cli import DAGSTER_YAML, PAYLOAD_CHARS, _instance, main, payload_text
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_generate_ingest_run_sql(warehouse_root, tmp_path, capsys):
+def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_path, capsys, monkeypatch):
+    from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context
+
+    from assets.snapshots import snapshot_trigger_sensor
+    from pipelines.definitions import RESOURCES
+    from resources.warehouse import WarehouseResource
+    from txn_engine.positions import ledger_partition_key
+    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, OFFLOADED_ENTRIES
+
+    # The warehouse is configured on the resource; the environment names another one. Every
+    # command (runs, sql, read, txn, offload) and the snapshot sensor must use the resource's.
+    elsewhere = tmp_path / "elsewhere"
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", str(elsewhere))
+    monkeypatch.setitem(RESOURCES, "warehouse", WarehouseResource(root=str(warehouse_root)))
+
     data = tmp_path / "demo.jsonl"
     assert main(["generate", "--entries", "3000", "--seed", "3", str(data)]) == 0
     assert data.is_file()
@@ -18,6 +35,7 @@ def test_generate_ingest_run_sql(warehouse_root, tmp_path, capsys):
     assert "rows read" in out and "0 quarantined" in out and str(warehouse_root / "ledger_entries") in out
     assert main(["ingest", str(data)]) == 0  # idempotent
     assert "0 appended, 3000 already present" in capsys.readouterr().out
+    assert isinstance(snapshot_trigger_sensor(build_sensor_context(instance=DagsterInstance.ephemeral())), RunRequest)
 
     assert main(["run"]) == 0
     out = capsys.readouterr().out
@@ -25,11 +43,55 @@ def test_generate_ingest_run_sql(warehouse_root, tmp_path, capsys):
     assert main(["sql", str(REPO / "dbt-free-sql" / "ledger_sizes.sql"), "--limit", "3"]) == 0
     out = capsys.readouterr().out
     assert "reads ledger_entries, ledgers" in out and "pct_of_topic_entries" in out
+    assert main(["txn", "list", "--state", "complete_abort"]) == 0  # any case
+    out = capsys.readouterr().out
+    assert "COMPLETE_ABORT" in out and "COMPLETE_COMMIT" not in out and "\n0 transaction(s)" not in out
+
+    # Offload through Dagster: an unknown ledger is an error; a named one is its partition's run.
+    def states():
+        return {(r.topic, r.ledger_id): r.state for r in warehouse.read(LEDGERS).collect()}
+
+    instance = DagsterInstance.get()  # the CLI's (DAGSTER_HOME)
+    tier_sizes_runs = len(instance.fetch_materializations(AssetKey("tier_sizes"), limit=1000).records)
+    assert main(["offload", "999999"]) == 2
+    assert "ledger(s) 999999 not in the `ledgers` catalog" in capsys.readouterr().err
+    topic, first = min((k for k, s in states().items() if s == "CLOSED"), key=lambda k: k[1])
+    assert main(["offload", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert f"  offloaded {topic}/{first}\n" in out and "offloaded 1 ledger(s)" in out
+    assert "check tier_matches_manifest: passed" in out and "FAILED" not in out
+    assert all(f"  {t} " in out for t in ("offloaded_entries", "offload_manifest", "ledgers", "ledger_sizes", "tier_sizes"))
+    assert states()[(topic, first)] == "OFFLOADED"  # the catalog is refreshed, and the model over it
+    assert {r.state for r in warehouse.read("ledger_sizes").where(f"ledger_id = {first}").collect()} == {"OFFLOADED"}
+    offloads = instance.fetch_materializations(AssetKey(OFFLOADED_ENTRIES), limit=1000).records
+    assert ledger_partition_key(first) in {r.asset_materialization.partition for r in offloads}
+
+    assert len(instance.fetch_materializations(AssetKey("tier_sizes"), limit=1000).records) == tier_sizes_runs + 1
+
+    # Reading: one line per entry, whatever the payload; an unknown topic is an error naming the known ones.
+    assert main(["read", topic, "--max", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"{first}:") and "\tcold\t" in lines[0] and lines[2].startswith("-- 2 entries")
+    assert main(["read", "no-such-topic"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown topic 'no-such-topic'" in err and topic in err
+
+    # A check that fails (a marker copied into the tier) makes `offload` exit 1.
+    marker = warehouse.read(LEDGER_ENTRIES).where(f"ledger_id = {first} AND entry_type != 'DATA'").limit(1)
+    warehouse.append(OFFLOADED_ENTRIES, marker)
+    assert main(["offload", str(first)]) == 1
+    out = capsys.readouterr().out
+    assert "offloaded 0 ledger(s) (1 already were)" in out and "check tier_holds_only_committed_data: FAILED" in out
+    assert not elsewhere.exists()
 
 
 def test_errors_exit_non_zero_and_write_nothing(warehouse_root, tmp_path, capsys):
     assert main(["ingest", str(tmp_path / "nope.jsonl")]) == 2
-    assert "does not exist; nothing was ingested" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # One line saying what is wrong, and where the run's log is; no Dagster stack traces.
+    assert "error: input file" in err and "does not exist; nothing was ingested" in err
+    assert "failed; its full log is in the Dagster instance at" in err
+    assert "Stack Trace" not in err and "Traceback" not in err and len(err.splitlines()) == 2
     odd = tmp_path / "data.xml"
     odd.write_text("<x/>")
     assert main(["ingest", str(odd)]) == 2
@@ -37,3 +99,33 @@ def test_errors_exit_non_zero_and_write_nothing(warehouse_root, tmp_path, capsys
     assert not (warehouse_root / "ledger_entries").exists()
     assert main(["sql", str(tmp_path / "missing.sql")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["txn", "list", "--state", "BOGUS"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "invalid choice: 'BOGUS'" in err and "COMPLETE_ABORT" in err
+
+
+def test_payloads_print_on_one_line():
+    assert payload_text(None) == "" and payload_text(b"order 17: ok") == "order 17: ok"
+    assert payload_text("żółw".encode()) == "żółw"
+    assert payload_text(b"two\nlines") == r"b'two\nlines'" and payload_text(b"a\tb") == r"b'a\tb'"
+    assert payload_text(b"\xff\x00") == r"b'\xff\x00'"
+    assert payload_text(b"x" * 100) == "x" * PAYLOAD_CHARS + "..."
+    cut = payload_text(bytes(range(200, 256)))  # escapes cut whole, not in half
+    assert cut.startswith(r"b'\xc8\xc9") and cut.endswith("'...") and len(cut) <= PAYLOAD_CHARS + 3
+    assert bytes(range(200, 256)).startswith(ast.literal_eval(cut[:-3]))
+
+
+def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_path, monkeypatch):
+    from pipelines.partitions import LEDGER_PARTITIONS
+    from txn_engine.positions import ledger_partition_key
+
+    monkeypatch.delenv("DAGSTER_HOME")
+    monkeypatch.chdir(tmp_path)
+    instance = _instance()
+    home = tmp_path / ".dagster_home"
+    assert not instance.is_ephemeral and Path(instance.root_directory) == home
+    assert (home / "dagster.yaml").read_text() == DAGSTER_YAML
+    assert DAGSTER_YAML.replace("\n", "\\n") in (REPO / "Makefile").read_text()  # what `make` writes there
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key(7)])
+    assert _instance().get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(7)]  # the next command's
