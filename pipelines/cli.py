@@ -152,6 +152,26 @@ def _add_closed_ledger_partitions(instance, wh) -> None:
         print(f"  {len(new)} newly closed ledger(s) added as ledger partitions (transaction buffer, offload tier)")
 
 
+def _add_open_ledger_partitions(instance, wh) -> list[str]:
+    """Add the catalog's OPEN ledgers as ledger partitions, in ledger order; return their keys."""
+    import pyarrow.compute as pc
+
+    from pipelines.partitions import LEDGER_PARTITIONS
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.positions import ledger_partition_key
+    from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
+
+    if not wh.exists(LEDGERS):
+        return []
+    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
+    ids = pc.unique(catalog.filter(pc.equal(catalog["state"], "OPEN"))["ledger_id"]).to_pylist()
+    keys = [ledger_partition_key(i) for i in sorted(ids)]
+    if keys:
+        instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
+        print(f"  no closed ledger yet: the {len(keys)} OPEN ledger(s) added as ledger partitions")
+    return keys
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pipelines.definitions import DERIVED_SELECTION
 
@@ -167,13 +187,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     catalog = _materialize(AssetSelection.assets(LEDGERS), instance=instance)
     # The transaction buffer is partitioned by closed ledger: add the newly closed ones, then run
     # the whole range (a full recompute; the OPEN ledgers are included by every buffer run).
-    _add_closed_ledger_partitions(instance, _open_warehouse())
+    wh = _open_warehouse()
+    _add_closed_ledger_partitions(instance, wh)
     keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    if not keys:
+        # Every ledger still OPEN (a log's first ledgers): they become the partitions, so the buffer
+        # has a range to run over and every topic gets its stable position now.
+        keys = _add_open_ledger_partitions(instance, wh)
     rest = DERIVED_SELECTION - AssetSelection.assets(LEDGERS)
     if keys:
         result = _materialize(rest, instance=instance, tags=range_tags(keys[0], keys[-1]))
     else:
-        print("  no closed ledger yet: the transaction buffer tables (and the models reading them) wait for one")
+        print("  no ledger yet: the transaction buffer tables (and the models reading them) wait for one")
         result = _materialize(rest - BUFFER_SELECTION.downstream(), instance=instance)
     print(f"done in {time.perf_counter() - started:.1f}s:")
     _print_materializations(catalog)

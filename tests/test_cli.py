@@ -129,3 +129,21 @@ def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_pat
     assert DAGSTER_YAML.replace("\n", "\\n") in (REPO / "Makefile").read_text()  # what `make` writes there
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key(7)])
     assert _instance().get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(7)]  # the next command's
+
+
+def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_path, capsys, monkeypatch):
+    """A log's first ledgers are OPEN: `txnlake run` makes them the partitions, so every topic has a
+    stable position at once instead of waiting for a ledger to close."""
+    from tests.rows import entry, write_jsonl
+    from txn_engine.delta_io import DeltaTables
+    from txn_engine.schema import STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA
+
+    (tmp_path / "dagster_home").mkdir()
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))  # no ledger partitions of other tests
+    rows = [entry("a", 1, 0), entry("a", 1, 1, txn=(0, 1)), entry("a", 1, 2), entry("b", 2, 0)]
+    assert main(["ingest", str(write_jsonl(tmp_path / "open.jsonl", rows))]) == 0
+    assert main(["run"]) == 0
+    assert "the 2 OPEN ledger(s) added as ledger partitions" in capsys.readouterr().out
+    stable = DeltaTables(warehouse).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()
+    assert sorted((r["topic"], r["max_read_ledger_id"], r["max_read_entry_id"], r["ongoing_txn_count"]) for r in stable) == [
+        ("a", 1, 0, 1), ("b", 2, 0, 0)]
