@@ -323,14 +323,14 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
 _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id", "local_seq"]
 
 
-def without_ledgers(rows: pa.Table, ledgers: Iterable[tuple[str, int]]) -> pa.Table:
-    """`rows` but those of these (topic, ledger_id) pairs."""
+def without_ledgers(rows: pa.Table, ledgers: Iterable[tuple[str, int]], column: str = "ledger_id") -> pa.Table:
+    """`rows` but those of these (topic, ledger) pairs, the ledger in `column`."""
     pairs = sorted(set(ledgers))
     if not pairs:
         return rows
     gone = pa.table({"topic": pa.array([t for t, _ in pairs], rows.schema.field("topic").type),
-                     "ledger_id": pa.array([ledger for _, ledger in pairs], pa.int64())})
-    return rows.join(gone, ["topic", "ledger_id"], join_type="left anti").select(rows.column_names)
+                     column: pa.array([ledger for _, ledger in pairs], pa.int64())})
+    return rows.join(gone, ["topic", column], join_type="left anti").select(rows.column_names)
 
 
 def kept_txn_data(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
@@ -461,13 +461,9 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
     # Only transactions with a marker in the scope can commit there: all are in `refold`.
     pending = read_state(BUFFER_PENDING_ENTRIES, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
     stable = stable_positions(txns, ledgers)
-    spared = sorted(spared)
 
     def in_scope(table: pa.Table, column: str) -> pa.Table:
-        rows = pc.is_in(table[column], pa.array(sorted(scope), pa.int64()))
-        for topic, ledger in spared:
-            rows = pc.and_(rows, pc.invert(pc.and_(pc.equal(table["topic"], topic), pc.equal(table[column], ledger))))
-        return table.filter(rows)
+        return without_ledgers(table.filter(pc.is_in(table[column], pa.array(sorted(scope), pa.int64()))), spared, column)
 
     committed = in_scope(committed_txns(txns), "visible_ledger_id")
     kept_data = entries.filter(pc.and_(is_data(entries), pa.array(~duplicate)))

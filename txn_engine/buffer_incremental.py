@@ -473,32 +473,27 @@ def refresh_buffer(
     full = full or not has_state
     tables = DeltaTables(wh)
     known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if has_state else {}
-    if full:
-        # Planned against an empty state: every ledger counts, so size_bytes is the whole log's.
-        plan = plan_scope(inventory, {}, ())._replace(ledgers=set())
-        retained = plan_scope(inventory, known, ()).retained
-        if not retained:
-            entries_all = wh.read(LEDGER_ENTRIES)
-            require_ledger_entries(entries_all)
-            return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes,
-                                     broadcast_max_bytes)
-        # Retention deleted ledgers whose facts only the state holds now: every ledger the catalog
-        # lists is recomputed on top of them, which is the full recompute of the log as it was.
-        ledgers = [ledger for _, ledger, _ in plan.last_entries]
-        return replace(_refresh_incrementally(wh, tables, inventory, known, ledgers, after_write, driver_write_max_bytes,
-                                              broadcast_max_bytes), full=True)
-    return _refresh_incrementally(wh, tables, inventory, known, ledgers, after_write, driver_write_max_bytes,
-                                  broadcast_max_bytes)
+    plan = plan_scope(inventory, known, () if full else ledgers)
+    if not full:
+        return _refresh_incrementally(wh, tables, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
+    # A full run's scope is every ledger the catalog lists, its size the whole log's.
+    plan = plan._replace(ledgers={ledger for _, ledger, _ in plan.last_entries}, size_bytes=plan.log_bytes)
+    if not plan.retained:
+        entries_all = wh.read(LEDGER_ENTRIES)
+        require_ledger_entries(entries_all)
+        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
+    # Retention deleted ledgers whose facts only the state holds now: every listed ledger is
+    # recomputed on top of them, which is the full recompute of the log as it was.
+    return replace(_refresh_incrementally(wh, tables, plan, after_write, driver_write_max_bytes, broadcast_max_bytes),
+                   full=True)
 
 
-def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, inventory, known: LedgerCounts, ledgers: Iterable[int],
-                           after_write, driver_write_max_bytes: int, broadcast_max_bytes: int) -> BufferRefresh:
-    # Both small (a row per topic; four narrow columns of a row per transaction and ledger):
-    # read by delta-rs, without the Spark jobs of a Delta scan.
-    old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
-    plan = plan_scope(inventory, known, ledgers)
+def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write, driver_write_max_bytes: int,
+                           broadcast_max_bytes: int) -> BufferRefresh:
     if not plan.ledgers:
         return BufferRefresh(full=False, ledgers=[], retained_ledgers=len(plan.retained))
+    # Small (a row per topic): read by delta-rs, without the Spark jobs of a Delta scan.
+    old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
     if plan.size_bytes <= driver_write_max_bytes:
         return _refresh_in_driver(wh, tables, old_stable, plan, after_write, plan.log_bytes <= driver_write_max_bytes)
     entries_all = wh.read(LEDGER_ENTRIES)
