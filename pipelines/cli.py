@@ -377,7 +377,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     from pipelines.buffer_sensors import range_tags
     from pipelines.partitions import LEDGER_PARTITIONS
     from txn_engine.errors import TableMissingError
-    from txn_engine.offload import OffloadResult, offload_candidates
+    from txn_engine.offload import OffloadResult, eligible_not_offloaded
     from txn_engine.positions import ledger_partition_key
     from txn_engine.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
@@ -397,7 +397,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
             raise TableMissingError(f"table {STABLE_POSITIONS} does not exist yet at {wh.path(STABLE_POSITIONS)}: which "
                                     "ledgers are eligible depends on it; materialize the transaction buffer first (`txnlake run`).")
         # As the offload sensor chooses: eligible by the stored stable positions, not offloaded yet.
-        keys = {ledger_partition_key(ledger_id) for _, ledger_id in offload_candidates(wh)}
+        keys = {ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)}
     known = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     missing = sorted(keys - set(known))
     if missing:
