@@ -61,9 +61,10 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
     # Started only if the run needs Spark: an incremental run small enough for the driver does not.
     wh = warehouse.open(spark.session)
     keys = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
-    first, last = context.partition_key_range.start, context.partition_key_range.end
-    in_range = [k for k in keys if first <= k <= last]  # zero-padded: string order is ledger order
-    every_partition = bool(keys) and first == keys[0] and last == keys[-1]
+    # The range as Dagster resolves it (partition order: the order keys were added, which is not
+    # ledger order across topics), so the ledgers computed are the partitions marked materialized.
+    in_range = context.partition_keys
+    every_partition = bool(keys) and set(in_range) == set(keys)
     refresh = refresh_buffer(
         wh, ledger_inventory(wh), ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition
     )

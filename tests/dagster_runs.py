@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from dagster import AssetSelection, DagsterInstance, SensorResult, build_sensor_context, materialize
 
 from pipelines.buffer_sensors import ledgers_closed_sensor, range_tags
@@ -24,9 +26,14 @@ def derive_all(resources, instance=None):
     return catalog, rest
 
 
+_CURSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the sensor's cursor per instance, as the daemon keeps it
+
+
 def sensor_tick(instance, resources):
-    """Evaluate the sensor and apply its partition requests, as the daemon would."""
-    result = ledgers_closed_sensor(build_sensor_context(instance=instance, resources=resources))
+    """Evaluate the sensor and apply its partition requests and cursor, as the daemon would."""
+    context = build_sensor_context(instance=instance, resources=resources, cursor=_CURSORS.get(instance))
+    result = ledgers_closed_sensor(context)
+    _CURSORS[instance] = context.cursor
     if isinstance(result, SensorResult):
         for request in result.dynamic_partitions_requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
