@@ -14,7 +14,7 @@ from tests.rows import entry, write_jsonl
 from txn_engine.buffer_jobs import compute_buffer_tables
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog
-from txn_engine.offload import offload_ledgers
+from txn_engine.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
 from txn_engine.reader import TopicReader
 from pipelines.cli import main
 from txn_engine.retention import (
@@ -79,6 +79,8 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert (catalog[("t", 1)].state, catalog[("t", 1)].first_entry_id, catalog[("t", 1)].last_entry_id,
             catalog[("t", 1)].entry_count) == ("DELETED", 0, 4, 5)
     assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
+    # The offload sensor's decision (delta-rs, Python) still equals the Spark one with deleted ledgers.
+    assert eligible_not_offloaded(wh) == offload_candidates(wh)
     # deleted_ledgers keeps each one's last catalog row as it was, timestamps included (they go
     # through the driver: Spark hands them over as naive local times).
     for row in wh.read(DELETED_LEDGERS).collect():
