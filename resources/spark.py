@@ -15,6 +15,7 @@ import os
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Mapping
 
 from dagster import ConfigurableResource
@@ -56,6 +57,8 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
+
+SPARK_CONF_DIR = Path(__file__).with_name("spark_conf")
 
 _lock = threading.Lock()
 _session: SparkSession | None = None
@@ -128,6 +131,9 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
         if wanted["spark.master"].startswith("local"):
             # Local mode talks to itself only: bind to loopback, not to whatever eth0 is.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            # Our log4j2 configuration (spark_conf/): without one Spark logs at INFO and announces
+            # its default profile on every start, burying the CLI's story. A set conf dir wins.
+            os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
         started = time.perf_counter()
         builder = SparkSession.builder
         for key, value in wanted.items():

@@ -37,6 +37,8 @@ def test_two_processes_racing_on_one_table_lose_nothing(spark, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
+        # A fresh process's JVM starts quietly (resources/spark_conf): no INFO banner, no native-library warning.
+        assert b"default log4j profile" not in out and b"NativeCodeLoader" not in out, out.decode()[-3000:]
 
     table = spark.read.format("delta").load(str(root / "race"))
     counts = {(r.writer, r.batch): r["count"] for r in table.groupBy("writer", "batch").count().collect()}
