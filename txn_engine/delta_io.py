@@ -22,6 +22,7 @@ Reads use other handles, refreshed on every read, so they see every writer's com
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections import defaultdict
@@ -316,13 +317,16 @@ class DeltaTables:
             self._writers.pop(table, None)  # an append handle would first have to read this commit
         return metrics
 
-    def vacuum(self, table: str) -> list[str]:
+    def vacuum(self, table: str, retention_hours: float | None = None) -> list[str]:
         """Delete the files of `table` that no version references and that were removed (or, never
         committed, written) longer ago than its `delta.deletedFileRetentionDuration` (Delta's
-        default: a week): delta-rs VACUUM in full mode, which also finds files whose tombstones a
-        checkpoint has dropped. Returns the deleted files' paths."""
+        default: a week), or than `retention_hours` (rounded up to whole hours) when given: delta-rs
+        VACUUM in full mode, which also finds files whose tombstones a checkpoint has dropped. As
+        Delta's own VACUUM, it refuses a retention shorter than the table's. Returns the deleted
+        files' paths."""
+        hours = None if retention_hours is None else math.ceil(retention_hours)
         with self.warehouse.writer(table):
-            deleted = retry_delta_conflicts(lambda: self._open(table).vacuum(dry_run=False, full=True))
+            deleted = retry_delta_conflicts(lambda: self._open(table).vacuum(retention_hours=hours, dry_run=False, full=True))
             self._writers.pop(table, None)  # an append handle would first have to read its commits
         return deleted
 
