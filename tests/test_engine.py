@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 import pyarrow.compute as pc
@@ -10,7 +11,7 @@ import pytest
 from txn_engine.engine import GC_FIRST_GENERATION_THRESHOLD, Engine
 from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
 from txn_engine.positions import Position
-from txn_engine.producer import RECENT_SENDS_KEPT
+from txn_engine.producer import RECENT_SENDS_KEPT, SendAccumulator
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
@@ -22,6 +23,7 @@ from txn_engine.schema import (
     TXN_LOG_SCHEMA,
 )
 from txn_engine.settings import WarehouseSettings
+from txn_engine.transaction_buffer import TxnId
 from txn_engine.txn_admin import operator_abort
 from txn_engine.txn_errors import (
     EngineLockedError,
@@ -99,6 +101,18 @@ def test_errors_say_what_happened_and_what_to_do(engine, warehouse):
         p.send("t", b"x", key=7)
     with pytest.raises(TypeError, match="a message key is a str or None"):
         engine.send("t", b"x", key=b"k")
+    # A str with no UTF-8 form (surrogateescape decoding makes them) is refused at the call: in the
+    # committer it stopped the engine and failed every other producer's writes.
+    lone = b"user-\xff".decode("utf-8", "surrogateescape")
+    with pytest.raises(ValueError, match="message key 'user-\\\\udcff' cannot be stored: it is not valid UTF-8"):
+        engine.send("t", b"x", key=lone)
+    with pytest.raises(ValueError, match="topic 'user-\\\\udcff' cannot be stored"):
+        p.send(lone, b"x")
+    with pytest.raises(ValueError, match="message key .* cannot be stored"):
+        engine.idempotent_producer().send("t", b"x", key=lone)
+    with pytest.raises(ValueError, match="must encode as UTF-8"):
+        p.send("t", lone)
+    assert engine.send("t", b"fine").result() is not None and engine.writer.stopped is None
     with pytest.raises(ValueError, match="transaction_timeout must be positive"):
         engine.producer("x", transaction_timeout=0)
     with pytest.raises(EngineLockedError, match="another transaction engine is running on this warehouse .*pid"):
@@ -189,6 +203,114 @@ def test_retries_of_recent_and_of_older_sends_are_acknowledged_once(engine):
     assert entries(engine).num_rows == written + 1
 
 
+def test_a_sequence_of_another_transaction_is_refused_not_acknowledged(engine, warehouse):
+    """Readers keep the first entry of a (topic, producer, sequence) whatever its transaction: a
+    resend of an aborted transaction's sequence in a new one was acknowledged at the aborted
+    position, so the message was lost. Refused now, nothing written; only a retry in the same
+    transaction is acknowledged."""
+    p = engine.producer("app")
+    p.init_transactions()
+    p.begin()
+    p.send("t", b"order-1", sequence=0).result()
+    p.send("t", b"order-2", sequence=1)  # held back: abort() drops it, never written
+    p.abort()
+    p.begin()
+    written = entries(engine).num_rows
+    for sequence, fate in ((0, "aborted"), (1, "never written")):
+        with pytest.raises(OutOfOrderSequenceError, match=f"sequence {sequence} .* was already given to a send of "
+                           f"transaction .* \\({fate}\\), not of the current transaction .*nothing was written.*"
+                           "under a new sequence number \\(the next expected is 2"):
+            p.send("t", b"again", sequence=sequence)
+    assert entries(engine).num_rows == written
+    resent = p.send("t", b"order-1")
+    assert p.send("t", b"order-1", sequence=resent.sequence).result() == resent.result()  # same txn: a retry
+    p.commit()
+    p.begin()
+    p.send("t", b"open at close", sequence=3).result()  # ongoing when the engine goes; re-init aborts it
+    engine.close()
+    with Engine(warehouse) as again:  # the originals are looked up in Delta now
+        q = again.producer("app")
+        q.init_transactions()
+        q.begin()
+        for sequence in (0, 3):
+            with pytest.raises(OutOfOrderSequenceError, match=f"sequence {sequence} .*\\(aborted\\)"):
+                q.send("t", b"again", sequence=sequence)
+        with pytest.raises(OutOfOrderSequenceError, match="sequence 2 .*\\(committed\\).*do not send it again"):
+            q.send("t", b"order-1", sequence=2)
+        q.send("t", b"order-2")
+        q.commit()
+        assert payloads(again, "t") == [b"order-1", b"order-2"]
+
+
+def test_init_transactions_again_drops_the_sends_held_back(engine):
+    p = engine.producer("app")
+    p.init_transactions()
+    old = p.begin()
+    held = p.send("t", b"old")  # held back in the producer's batch
+    p.init_transactions()
+    assert isinstance(held.exception(), TransactionAbortedError)
+    with pytest.raises(TransactionAbortedError, match="init_transactions\\(\\) was called again .*nothing of the "
+                       "send was written"):
+        held.result()
+    new = p.begin()
+    p.send("t", b"new")
+    p.commit()
+    assert payloads(engine, "t") == [b"new"]
+    stored = entries(engine).to_pylist()
+    assert {(r["txn_least_bits"], r["producer_epoch"]) for r in stored} == {(new.least_bits, 1)}
+    assert old.least_bits != new.least_bits
+
+
+def test_a_batch_is_never_reused_by_another_transaction_or_epoch():
+    batch = SendAccumulator()
+    first, _ = batch.add(TxnId(0, 1), 7, 0, "t", 0, None, b"a")
+    assert batch.add(TxnId(0, 1), 7, 0, "t", 1, None, b"b") == (first, 1)  # same transaction: one batch
+    second, index = batch.add(TxnId(0, 2), 7, 0, "t", 2, None, b"c")
+    assert second is not first and index == 0
+    with pytest.raises(InvalidTxnStateError, match="transaction 0:1 .* was still held back .* nothing of it was written"):
+        first.result(timeout=0)
+    third, index = batch.add(TxnId(0, 2), 7, 1, "t", 3, None, b"d")  # a new epoch: a new batch too
+    assert third is not second and index == 0 and second.exception(timeout=0) is not None
+
+
+@pytest.mark.parametrize("ending, ended", [("commit", "committed"), ("abort", "aborted")])
+def test_no_send_is_accepted_while_a_transaction_ends(warehouse, ending, ended):
+    """A send from a second thread while commit() (abort()) waits for the transaction's sends was
+    acknowledged, then written after the COMMIT marker: never readable. It is refused now."""
+    late: list = []
+
+    def send_while_ending(point: str) -> None:  # in the committer, while commit()/abort() waits on it
+        if point == AFTER_ENTRIES_CHUNK and p.txn is not None and not late:
+            deadline = time.monotonic() + 5
+            while getattr(p, "_ending", None) is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # abort(): its sends were queued before it was called
+            try:
+                late.append(p.send("t", b"late"))
+            except InvalidTxnStateError as exc:
+                late.append(exc)
+
+    with Engine(warehouse, crash_hook=send_while_ending) as engine:
+        p = engine.producer("app")
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"x-1")
+        if ending == "commit":
+            p.commit()
+        else:
+            p.flush()
+            p.abort()
+        [refused] = late
+        assert isinstance(refused, InvalidTxnStateError), refused
+        assert f"transaction {txn} of producer 'app' is being {ended}" in str(refused)
+        p.begin()
+        p.send("t", b"y-1")
+        p.commit()
+        assert payloads(engine, "t") == ([b"x-1", b"y-1"] if ending == "commit" else [b"y-1"])
+        stored = entries(engine).sort_by([("ledger_id", "ascending"), ("entry_id", "ascending")]).to_pylist()
+        assert b"late" not in [r["payload"] for r in stored]
+        assert [r["entry_type"] for r in stored if r["txn_least_bits"] == txn.least_bits][-1] == ending.upper()
+
+
 def test_crash_after_prepare_then_recovery_writes_each_marker_once(warehouse):
     crash = CrashAt(AFTER_PREPARE)
     engine = Engine(warehouse, crash_hook=crash)
@@ -199,8 +321,10 @@ def test_crash_after_prepare_then_recovery_writes_each_marker_once(warehouse):
     p.send("b", b"2").result()  # the data is durable; the crash hits the commit
     p.send_offsets("group", {"in": Position(7, 3)})
     crash.arm()
-    with pytest.raises(InjectedCrash):
-        p.commit()
+    with pytest.raises(EngineStoppedError, match="if it was aborted, begin\\(\\) a new transaction and send its "
+                       "messages under new sequence numbers") as stopped:
+        p.commit()  # the caller of the failed round hears that the engine stopped, the failure chained
+    assert isinstance(stopped.value.__cause__, InjectedCrash)
     with pytest.raises(EngineStoppedError, match="Start a new engine"):
         engine.send("a", b"after crash")
     engine.close()
@@ -226,8 +350,9 @@ def test_crash_between_markers_of_a_multi_topic_transaction(warehouse):
     sent = [p.send(topic, topic.encode()) for topic in ("a", "b", "c")]
     [s.result() for s in sent]
     crash.arm()
-    with pytest.raises(InjectedCrash):
+    with pytest.raises(EngineStoppedError) as stopped:
         p.commit()
+    assert isinstance(stopped.value.__cause__, InjectedCrash)
     engine.close()
     assert markers_of(engine, txn) == [("a", "COMMIT")]  # one marker durable, two missing
     with Engine(warehouse) as recovered:
@@ -310,13 +435,23 @@ def test_offsets_land_only_with_a_commit(engine):
     p.send_offsets("g1", {"in": (3, 11)})
     p.commit()
     p.begin()
-    p.send_offsets("g1", {"in": (3, 12)})  # offsets alone make a transaction too
+    # Refused at the call, nothing added: an id out of BIGINT's range stopped the engine at commit.
+    for bad, message in [
+        (7, "must be a Position, a \\(ledger_id, entry_id\\) pair of integers or a string LEDGER_ID:ENTRY_ID"),
+        ((3, 1.5), "pair of integers"), ((True, 1), "pair of integers"), ("3-12", "not a position: '3-12'"),
+        ((-5, 9), "-5:9 is out of range"), ((2**63, 0), f"{2**63}:0 is out of range"), ("3:-1", "3:-1 is out of range"),
+    ]:
+        with pytest.raises(ValueError, match=f"the offset of topic 'in'.*{message}"):
+            p.send_offsets("g1", {"in": bad})
+    p.send_offsets("g1", {"in": "3:12", "in2": [4, 0]})  # offsets alone make a transaction too; "L:E" as printed
     p.commit()
-    rows = engine.tables.read(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA).sort_by("log_seq").to_pylist()
+    rows = engine.tables.read(CONSUMER_OFFSETS, CONSUMER_OFFSETS_SCHEMA).sort_by([("log_seq", "ascending"), ("topic", "ascending")]).to_pylist()
     assert [(r["group_id"], r["topic"], r["ledger_id"], r["entry_id"]) for r in rows] == [
         ("g1", "in", 3, 11),
         ("g1", "in", 3, 12),
+        ("g1", "in2", 4, 0),
     ]
+    assert engine.writer.stopped is None
 
 
 def test_second_engine_is_refused_until_the_first_closes(warehouse):

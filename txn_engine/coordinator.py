@@ -285,7 +285,9 @@ class TransactionCoordinator:
         if t.state in (TxnStatus.PREPARE_ABORT, TxnStatus.COMPLETE_ABORT):
             raise TransactionAbortedError(
                 f"transaction {t.txn} was aborted by {t.actor} ({t.reason or 'no reason given'}); nothing of "
-                "it will be read. Call abort() to clear it, then begin() a new transaction and resend."
+                "it will be read. Call abort() to clear it, then begin() a new transaction and send its "
+                "messages again under new sequence numbers (omit `sequence`): a sequence number already "
+                "used in the aborted transaction is never reused."
             )
         raise InvalidTxnStateError(f"transaction {t.txn} is {t.state}, not open; begin() a new transaction")
 

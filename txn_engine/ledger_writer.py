@@ -14,7 +14,8 @@ So PREPARE is durable before any marker and COMPLETE after every marker, and a r
 Delta commits whatever the number of producers: throughput does not collapse to one commit per
 message. Carrying COMPLETE into the next round's txn_log commit saves a commit per round; when
 nothing else is queued that round writes only them, at once. A failed write stops the engine
-(every waiting caller gets the error); restarting it runs recovery from what is durable.
+(every waiting caller gets EngineStoppedError, the failure chained as its cause); restarting it
+runs recovery from what is durable.
 """
 
 from __future__ import annotations
@@ -279,13 +280,24 @@ class LedgerWriter:
                     failed = batch + list(self._queue)
                     self._queue.clear()
                 break
-        error = EngineStoppedError(
-            f"the engine stopped before this write was acknowledged ({self._stopped!r}); it may or may "
-            "not be durable. Start a new engine on the warehouse (it recovers prepared transactions) "
-            "and retry with the same sequence numbers: duplicates are acknowledged, not rewritten."
-        )
+        error = self._stopped_error()
         for request in failed:
             request.fail(error)
+
+    def _stopped_error(self) -> EngineStoppedError:
+        """What every caller whose write was not acknowledged gets once the engine stopped."""
+        error = EngineStoppedError(
+            f"the engine stopped before this write was acknowledged ({self._stopped!r}); it may or may "
+            "not be durable. Start a new engine on the warehouse: it finishes every prepared transaction (a "
+            "prepared commit commits) and leaves the others open until their producer's init_transactions() "
+            "or their timeout aborts them. Then look the transaction up (`txnlake txn describe ID`): if it "
+            "committed, its sends are readable, send nothing again; if it was aborted, begin() a new "
+            "transaction and send its messages under new sequence numbers (omit `sequence`), since a "
+            "sequence number already written is never reused. A non-transactional send retried with "
+            "its sequence number is acknowledged once."
+        )
+        error.__cause__ = self._stopped
+        return error
 
     def _write_round(self, batch: list[WriteRequest]) -> None:
         carried, self._carried = self._carried, []
@@ -312,8 +324,9 @@ class LedgerWriter:
         except BaseException as exc:
             with self._cond:
                 self._stopped = exc  # before anyone hears of the failure: no write is accepted after it
+            error = self._stopped_error()
             for request in [request for request, _ in carried] + batch:
-                request.fail(exc)
+                request.fail(error)
             raise
         self.rounds += 1
         for request, assigned in zip(later, positions):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Sequence
 
 
@@ -28,6 +29,31 @@ class Position(NamedTuple):
 
 # The position before anything: what a topic with no readable entry reports.
 EARLIEST = Position(-1, -1)
+
+INT64_MAX = 2**63 - 1  # ledger_id and entry_id are BIGINT
+
+
+def checked_position(value: object, what: str = "position") -> Position:
+    """`value` as the position of an entry: a Position, a (ledger_id, entry_id) pair or `L:E` as
+    printed; both ids integers in 0 .. 2**63-1 (BIGINT). Anything else gets a clear error, before
+    it can reach a table (a value out of BIGINT's range would fail the engine's whole write)."""
+    if isinstance(value, str):
+        try:
+            value = Position.parse(value)
+        except ValueError as exc:
+            raise ValueError(f"{what}: {exc}") from None
+    if isinstance(value, (tuple, list)) and len(value) == 2 and not any(isinstance(i, bool) for i in value):
+        try:
+            ids = [operator.index(i) for i in value]  # ints, numpy's too; not floats
+        except TypeError:
+            pass
+        else:
+            if all(0 <= i <= INT64_MAX for i in ids):
+                return Position(*ids)
+            raise ValueError(f"{what} {ids[0]}:{ids[1]} is out of range: ledger and entry ids are between 0 "
+                             f"and {INT64_MAX}")
+    raise ValueError(f"{what} must be a Position, a (ledger_id, entry_id) pair of integers or a string "
+                     f"LEDGER_ID:ENTRY_ID like 12:40, got {value!r}")
 
 
 def position_before(position: Position, previous_ledger_last: Position | None) -> Position:

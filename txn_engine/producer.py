@@ -3,8 +3,10 @@
 Sequence numbers are per (producer id, topic) and keep counting across epochs, because readers
 drop duplicates by (topic, producer_id, sequence_id) (see `committed_entries`): a sequence is
 never reused. The ProducerStateManager decides, under the producer id's lock, whether a send
-is the next one (written), one already written (acknowledged with its original position, written
-once) or leaves a gap (refused, nothing written).
+is the next one (written), a retry of one already sent in the same transaction (acknowledged with
+its original position, written once), one already used by another transaction (refused: readers
+would drop it as a duplicate of that transaction's entry, aborted or not) or leaves a gap
+(refused, nothing written).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pyarrow.compute as pc
 from txn_engine.coordinator import ProducerIdentity
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import PendingEntries, WriteRequest
-from txn_engine.positions import Position
+from txn_engine.positions import Position, checked_position
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
 from txn_engine.transaction_buffer import EntryType, TxnId
 from txn_engine.txn_errors import InvalidTxnStateError, OutOfOrderSequenceError, TransactionAbortedError
@@ -39,13 +41,15 @@ class SendFuture:
 
     Waiting on it first queues its producer's batch if that is still held back."""
 
-    __slots__ = ("_batch", "_index", "sequence", "_flush")
+    __slots__ = ("_batch", "_index", "sequence", "_flush", "txn")
 
-    def __init__(self, batch: Future, index: int = 0, sequence: int | None = None, flush=None):
+    def __init__(self, batch: Future, index: int = 0, sequence: int | None = None, flush=None,
+                 txn: TxnId | None = None):
         self._batch = batch
         self._index = index
         self.sequence = sequence
         self._flush = flush
+        self.txn = txn  # the transaction the send belongs to: only a resend in it is a retry
 
     def result(self, timeout: float | None = None) -> Position:
         if self._flush is not None and not self._batch.done():
@@ -64,23 +68,44 @@ class SendFuture:
 class SendAccumulator:
     """A producer's sends not yet queued (Kafka's RecordAccumulator): one write request per batch,
     so a transaction's messages cost one request and one future, not one each. A batch belongs to
-    one transaction (or none), producer and epoch: the producer queues it before it ends one."""
+    one transaction (or none), producer and epoch: the producer queues or drops it before it ends
+    one, and a batch of another transaction or epoch is never added to (its entries would be
+    written under that transaction's id)."""
 
     def __init__(self) -> None:
         self.request: WriteRequest | None = None
+        self._owner: tuple[TxnId | None, int, int] | None = None  # (txn, producer id, epoch) of `request`
 
     def add(self, txn: TxnId | None, producer_id: int, epoch: int, topic: str, sequence: int,
             key: str | None, payload: bytes) -> tuple[Future, int]:
         request = self.request
+        if request is not None:
+            owner = self._owner
+            if (owner[0] is not txn and owner[0] != txn) or owner[1] != producer_id or owner[2] != epoch:
+                # Unreachable through the producers (they queue or drop a batch before its transaction
+                # ends); kept so a stale batch can never carry sends into another transaction.
+                self.drop(InvalidTxnStateError(
+                    f"this send of transaction {owner[0]} (producer {owner[1]}, epoch {owner[2]}) was still "
+                    "held back when its producer moved on; it was dropped and nothing of it was written. "
+                    "Send it again in the current transaction."
+                ))
+                request = None
         if request is None:
             entries = PendingEntries(EntryType.DATA.value, None if txn is None else txn.most_bits,
                                      None if txn is None else txn.least_bits, producer_id, epoch)
             request = self.request = WriteRequest(entries=entries)
+            self._owner = (txn, producer_id, epoch)
         return request.future, request.entries.add(topic, sequence, key, payload)
 
     def take(self) -> WriteRequest | None:
         request, self.request = self.request, None
         return request
+
+    def drop(self, error: BaseException) -> None:
+        """Fail the sends held back: nothing of them is written."""
+        request = self.take()
+        if request is not None:
+            request.fail(error)
 
 
 class TopicSequences:
@@ -137,11 +162,13 @@ class ProducerStateManager:
     def next_sequence(self, producer_id: int, topic: str) -> int:
         return self.of(producer_id, topic).last + 1
 
-    def check(self, producer_id: int, topic: str, sequence: int) -> SendFuture | None:
-        """None when `sequence` is the next one; the original acknowledgement for a retry; raises on a gap."""
-        return self.check_state(self.of(producer_id, topic), sequence)
+    def check(self, producer_id: int, topic: str, sequence: int, txn: TxnId | None = None) -> SendFuture | None:
+        """None when `sequence` is the next one; the original acknowledgement for a retry (a resend in
+        the original's transaction `txn`, None for non-transactional sends); raises on a gap or when
+        the sequence was used by another transaction."""
+        return self.check_state(self.of(producer_id, topic), sequence, txn)
 
-    def check_state(self, state: TopicSequences, sequence: int) -> SendFuture | None:
+    def check_state(self, state: TopicSequences, sequence: int, txn: TxnId | None = None) -> SendFuture | None:
         expected = state.last + 1
         if sequence == expected:
             return None
@@ -155,14 +182,50 @@ class ProducerStateManager:
             )
         if sequence < 0:
             raise OutOfOrderSequenceError(f"sequence numbers start at 0, got {sequence}; nothing was written")
-        recent = state.recent_send(sequence)
-        if recent is not None:
-            return recent
-        return self._stored_position(producer_id, topic, sequence)
+        original = state.recent_send(sequence)
+        if original is None:
+            original = self._stored_position(producer_id, topic, sequence)
+        if original.txn != txn:
+            self._refuse_reuse(state, sequence, original, txn)
+        return original
+
+    def _refuse_reuse(self, state: TopicSequences, sequence: int, original: SendFuture, txn: TxnId | None):
+        """A resend outside the original's transaction: readers keep the first entry of a sequence
+        whatever its transaction, so written again it would be dropped as a duplicate, and answered
+        with the original's position it would be lost whenever that transaction does not commit."""
+        theirs = "a non-transactional send" if original.txn is None else f"a send of transaction {original.txn}"
+        ours = "of this non-transactional send" if txn is None else f"of the current transaction {txn}"
+        if original.done() and original.exception() is not None:
+            fate = "never written"
+        elif original.txn is None:
+            fate = "written"
+        else:
+            outcome = self._outcome(original.txn, state.topic) if original.done() else None
+            fate = {EntryType.COMMIT.value: "committed", EntryType.ABORT.value: "aborted"}.get(outcome, "not decided yet")
+        raise OutOfOrderSequenceError(
+            f"sequence {sequence} of producer {state.producer_id} on topic {state.topic!r} was already given to "
+            f"{theirs} ({fate}), not {ours}. A sequence number is never reused (readers keep its first entry), "
+            "so nothing was written. If that transaction committed, its message is already readable: do not "
+            "send it again. Otherwise send it in the current transaction under a new sequence number (the "
+            f"next expected is {state.last + 1}, or omit `sequence`)."
+        )
+
+    def _outcome(self, txn: TxnId, topic: str) -> str | None:
+        """COMMIT or ABORT: the marker of `txn` on `topic`, None if it has none yet (an error path only)."""
+        entries = self.tables.read(
+            LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["topic", "entry_type", "txn_most_bits", "txn_least_bits"]
+        )
+        mask = pc.and_(
+            pc.and_(pc.equal(entries["txn_most_bits"], txn.most_bits), pc.equal(entries["txn_least_bits"], txn.least_bits)),
+            pc.and_(pc.equal(entries["topic"], topic), pc.not_equal(entries["entry_type"], EntryType.DATA.value)),
+        )
+        markers = entries.filter(mask)["entry_type"].to_pylist()
+        return markers[0] if markers else None
 
     def _stored_position(self, producer_id: int, topic: str, sequence: int) -> SendFuture:
         entries = self.tables.read(
-            LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, ["topic", "ledger_id", "entry_id", "producer_id", "sequence_id"]
+            LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA,
+            ["topic", "ledger_id", "entry_id", "producer_id", "sequence_id", "txn_most_bits", "txn_least_bits"],
         )
         mask = pc.and_(
             pc.and_(pc.equal(entries["producer_id"], producer_id), pc.equal(entries["sequence_id"], sequence)),
@@ -177,27 +240,45 @@ class ProducerStateManager:
             )
         future: Future = Future()
         future.set_result([Position(hit["ledger_id"][0].as_py(), hit["entry_id"][0].as_py())])
-        return SendFuture(future, 0, sequence)
+        most, least = hit["txn_most_bits"][0].as_py(), hit["txn_least_bits"][0].as_py()
+        return SendFuture(future, 0, sequence, txn=None if most is None else TxnId(most, least))
 
 
 def _payload(value: bytes | str) -> bytes:
     if type(value) is bytes:
         return value
     if isinstance(value, str):
-        return value.encode()
+        try:
+            return value.encode()
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"a str message value must encode as UTF-8 ({exc}); pass bytes instead. "
+                             "Nothing was written") from None
     if isinstance(value, (bytes, bytearray, memoryview)):
         return bytes(value)
     raise TypeError(f"a message value is bytes or str, got {type(value).__name__}; encode it first")
 
 
+def _check_utf8(text: str, what: str) -> None:
+    # Delta stores strings as UTF-8: a str that has none (a lone surrogate, as surrogateescape
+    # decoding yields) would fail in the committer and stop the engine for every producer.
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} {text!r} cannot be stored: it is not valid UTF-8 ({exc.reason} at "
+                         f"index {exc.start}); decode it without 'surrogateescape'. Nothing was written") from None
+
+
 def _check_key(key: str | None) -> None:
-    if key is not None and not isinstance(key, str):
-        raise TypeError(f"a message key is a str or None, got {type(key).__name__}; nothing was written")
+    if key is not None:
+        if not isinstance(key, str):
+            raise TypeError(f"a message key is a str or None, got {type(key).__name__}; nothing was written")
+        _check_utf8(key, "message key")
 
 
 def _check_topic(topic: str) -> None:
     if not isinstance(topic, str) or not topic.strip():
         raise ValueError(f"topic must be a non-empty string like 'orders-partition-0', got {topic!r}")
+    _check_utf8(topic, "topic")
 
 
 class SequencedSends(ABC):
@@ -224,12 +305,12 @@ class SequencedSends(ABC):
             seq = state.last + 1
         else:
             seq = int(sequence)
-            original = self.engine.sequences.check_state(state, seq)
+            original = self.engine.sequences.check_state(state, seq, txn)
             if original is not None:
-                return original  # a retry: acknowledged with its original position
+                return original  # a retry in the same transaction: acknowledged with its original position
         batch = self._batch
         future, index = batch.add(txn, producer_id, epoch, topic, seq, key, payload)
-        send = SendFuture(future, index, seq, self.flush)
+        send = SendFuture(future, index, seq, self.flush, txn)
         state.record(seq, send)
         if index >= MAX_BATCH_ENTRIES - 1:  # the batch is full
             self.flush()
@@ -283,12 +364,27 @@ class TransactionalProducer(SequencedSends):
         self.epoch: int | None = None
         self.txn: TxnId | None = None
         self._sends: list[WriteRequest] = []  # queued batches of the open transaction
+        # "committed" / "aborted" while commit() / abort() runs with the lock let go (waiting for the
+        # sends): anything else on the transaction is refused meanwhile, as Kafka refuses sends during
+        # a commit, so nothing acknowledged can be written after the transaction's marker.
+        self._ending: str | None = None
         self._batch = SendAccumulator()
         self._topic_sequences = {}
         self._lock = threading.RLock()  # its producer id's lock once initialized (see `producer_lock`)
 
     def init_transactions(self) -> tuple[int, int]:
-        """Register this instance: same producer id as before, epoch + 1; fences older instances."""
+        """Register this instance: same producer id as before, epoch + 1; fences older instances.
+
+        Called again on the same instance, it aborts the open transaction like a new instance
+        would: the sends still held back fail (nothing of them is written)."""
+        with self._lock:
+            self._check_not_ending()
+            txn, self.txn, self._sends = self.txn, None, []
+            self._batch.drop(TransactionAbortedError(
+                f"init_transactions() was called again while this send of transaction {txn} was held back in "
+                "the producer: the transaction is aborted and nothing of the send was written. Send it again "
+                "in a new transaction, under a new sequence number (or omit `sequence`)."
+            ))
         identity = self.engine.coordinator.init_producer(self.transactional_id, self.timeout_ms)
         self.producer_id, self.epoch, self.txn = identity.producer_id, identity.epoch, None
         self._lock = self.engine.coordinator.producer_lock(identity.producer_id)
@@ -309,10 +405,20 @@ class TransactionalProducer(SequencedSends):
             )
         return self.txn
 
+    def _check_not_ending(self) -> None:
+        """Call under the lock."""
+        if self._ending is not None:
+            raise InvalidTxnStateError(
+                f"transaction {self.txn} of producer {self.transactional_id!r} is being {self._ending} (by a "
+                f"call in another thread); this call was refused and nothing was written. Wait until that "
+                "call returns, then begin() the next transaction and make the call there."
+            )
+
     def begin(self) -> TxnId:
         """Open a transaction; its id is (transaction group, the group's next sequence)."""
         with self._lock, self.engine.coordinator.lock:
             identity = self._identity()
+            self._check_not_ending()
             if self.txn is not None:
                 raise InvalidTxnStateError(
                     f"producer {self.transactional_id!r} already has transaction {self.txn} open; "
@@ -330,6 +436,8 @@ class TransactionalProducer(SequencedSends):
         with self._lock:  # not the coordinator's: `flush` checks again under it, in queue order
             identity = self._identity()
             txn = self._open_txn()
+            if self._ending is not None:
+                self._check_not_ending()
             t = coordinator.txns.get(txn)
             if t is not None:
                 coordinator.require_ongoing(t)
@@ -356,19 +464,24 @@ class TransactionalProducer(SequencedSends):
                 raise
             self._sends.append(request)
 
-    def send_offsets(self, group: str, offsets: Mapping[str, Position | tuple[int, int]]) -> None:
-        """Consumer-group offsets that land in consumer_offsets if and only if this transaction commits."""
+    def send_offsets(self, group: str, offsets: Mapping[str, Position | tuple[int, int] | str]) -> None:
+        """Consumer-group offsets that land in consumer_offsets if and only if this transaction commits.
+        A position is a Position, a (ledger_id, entry_id) pair or `L:E` as printed."""
         if not isinstance(group, str) or not group.strip():
             raise ValueError(f"consumer group must be a non-empty string, got {group!r}")
+        _check_utf8(group, "consumer group")
+        if not isinstance(offsets, Mapping):
+            raise TypeError(f"offsets are a mapping of topic to position, got {type(offsets).__name__}")
         rows = []
         for topic, position in offsets.items():
             _check_topic(topic)
-            ledger_id, entry_id = Position(*position)
-            rows.append({"group_id": group, "topic": topic, "ledger_id": int(ledger_id), "entry_id": int(entry_id)})
+            ledger_id, entry_id = checked_position(position, f"the offset of topic {topic!r}")
+            rows.append({"group_id": group, "topic": topic, "ledger_id": ledger_id, "entry_id": entry_id})
         coordinator = self.engine.coordinator
         with self._lock, coordinator.lock:
             identity = self._identity()
             txn = self._open_txn()
+            self._check_not_ending()
             coordinator.ensure_txn(identity, txn)  # offsets alone still make a transaction
             coordinator.add_offsets(txn, rows)
 
@@ -376,28 +489,42 @@ class TransactionalProducer(SequencedSends):
         errors = [request.future.exception() for request in self._sends]
         return next((e for e in errors if e is not None), None)
 
+    def _ended(self) -> None:
+        with self._lock:
+            self.txn, self._sends, self._ending = None, [], None
+
+    def _not_ending(self) -> None:
+        with self._lock:
+            self._ending = None
+
     def commit(self) -> TxnId:
         """Make every send of the transaction readable, on all its topics, or (on error) none."""
         coordinator = self.engine.coordinator
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
+            self._check_not_ending()
             self.flush()
-        failed = self._wait_sends()
-        if failed is not None:
-            raise InvalidTxnStateError(
-                f"a send of transaction {txn} failed ({failed}); the transaction cannot commit. Call abort(), "
-                "then begin() again and resend."
-            ) from failed
-        with self._lock, coordinator.lock:
-            self._identity()  # fenced while flushing?
-            t = coordinator.txns.get(txn)
-            future = None
-            if t is not None:
-                future = coordinator.end_txn(txn, EntryType.COMMIT, "producer")
-        if future is not None:
-            future.result()
-        self.txn, self._sends = None, []
+            self._ending = "committed"
+        try:
+            failed = self._wait_sends()
+            if failed is not None:
+                raise InvalidTxnStateError(
+                    f"a send of transaction {txn} failed ({failed}); the transaction cannot commit. Call abort(), "
+                    "then begin() again and send its messages under new sequence numbers (omit `sequence`)."
+                ) from failed
+            with self._lock, coordinator.lock:
+                self._identity()  # fenced while flushing?
+                t = coordinator.txns.get(txn)
+                future = None
+                if t is not None:
+                    future = coordinator.end_txn(txn, EntryType.COMMIT, "producer")
+            if future is not None:
+                future.result()
+        except BaseException:
+            self._not_ending()
+            raise
+        self._ended()
         return txn
 
     def commit_async(self) -> Future:
@@ -409,6 +536,7 @@ class TransactionalProducer(SequencedSends):
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
+            self._check_not_ending()
             self.flush()
             if txn in coordinator.txns:
                 future = coordinator.end_txn(
@@ -426,25 +554,28 @@ class TransactionalProducer(SequencedSends):
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
-            dropped = self._batch.take()
-            if dropped is not None:  # never queued: nothing of it is written
-                dropped.fail(
-                    TransactionAbortedError(f"transaction {txn} was aborted before this send was written")
-                )
-        self._wait_sends()
-        with self._lock, coordinator.lock:
-            self._identity()
-            t = coordinator.txns.get(txn)
-            future = None
-            if t is not None:
-                try:
-                    coordinator.require_ongoing(t)
-                    future = coordinator.end_txn(txn, EntryType.ABORT, "producer")
-                except TransactionAbortedError:
-                    # Aborted by the coordinator or an operator: nothing left to do, and now that its
-                    # producer knows, the coordinator can forget it (see TransactionCoordinator._end).
-                    coordinator.txns.pop(txn, None)
-        if future is not None:
-            future.result()
-        self.txn, self._sends = None, []
+            self._check_not_ending()
+            # Never queued: nothing of it is written.
+            self._batch.drop(TransactionAbortedError(f"transaction {txn} was aborted before this send was written"))
+            self._ending = "aborted"
+        try:
+            self._wait_sends()
+            with self._lock, coordinator.lock:
+                self._identity()
+                t = coordinator.txns.get(txn)
+                future = None
+                if t is not None:
+                    try:
+                        coordinator.require_ongoing(t)
+                        future = coordinator.end_txn(txn, EntryType.ABORT, "producer")
+                    except TransactionAbortedError:
+                        # Aborted by the coordinator or an operator: nothing left to do, and now that its
+                        # producer knows, the coordinator can forget it (see TransactionCoordinator._end).
+                        coordinator.txns.pop(txn, None)
+            if future is not None:
+                future.result()
+        except BaseException:
+            self._not_ending()
+            raise
+        self._ended()
         return txn
