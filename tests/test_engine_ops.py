@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pyarrow.compute as pc
+import pytest
 from dagster import AssetKey, RunRequest, build_sensor_context, materialize
 
 from assets.engine import abort_expired_job, demo_workload, txn_timeout_sensor
@@ -106,3 +107,14 @@ def test_operator_abort_of_an_engine_transaction_is_recorded(warehouse, capsys):
     with Engine(warehouse) as engine:
         assert engine.consumer("t").read() == []
         assert TxnAdmin(engine.tables).describe(TxnId(txn.most_bits, txn.least_bits)).state == "COMPLETE_ABORT"
+
+
+def test_txn_tools_refuse_negative_counts_and_durations(warehouse_root, capsys):
+    # argparse's plain int/float took them: `--limit -1` printed all rows but the last ("first -1 shown").
+    for argv, option, value in [(["txn", "list", "--limit", "-1"], "--limit", "-1"),
+                                (["txn", "find-hanging", "--held-back", "-5"], "--held-back", "-5")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert f"argument {option}: must be 0 or more, got {value}" in capsys.readouterr().err
+    assert not warehouse_root.exists()  # refused before anything ran
