@@ -129,10 +129,20 @@ class TransactionCoordinator:
             self._log_seq = max(self._log_seq, row["log_seq"])
             max_pid = max(max_pid, row["producer_id"])
             group = row["txn_group"]
-            if row["transactional_id"] is not None:
-                self.producers[row["transactional_id"]] = ProducerIdentity(
-                    row["transactional_id"], row["producer_id"], row["producer_epoch"], group, row["timeout_ms"]
+            tid = row["transactional_id"]
+            identity = self.producers.get(tid) if tid is not None else None
+            # A transaction's rows carry that transaction's epoch (the one its markers carry), also
+            # when written after a newer instance's init_transactions (recovery finishing a prepared
+            # transaction, the timeout abort of an older instance's transaction): such a row says
+            # nothing of the producer's current epoch. Its epoch is the highest seen, so epochs only
+            # grow and none is handed out twice; the rows keep meaning "this transaction, this epoch".
+            if tid is not None and (
+                identity is None or identity.producer_id != row["producer_id"] or row["producer_epoch"] > identity.epoch
+            ):
+                identity = self.producers[tid] = ProducerIdentity(
+                    tid, row["producer_id"], row["producer_epoch"], group, row["timeout_ms"]
                 )
+            current = identity is not None and row["producer_epoch"] == identity.epoch
             if row["txn_most_bits"] is None:
                 continue
             txn = TxnId(row["txn_most_bits"], row["txn_least_bits"])
@@ -146,9 +156,10 @@ class TransactionCoordinator:
                     row["txn_started_at"], state, list(row["topics"]), list(row["offsets"] or []),
                     row["actor"], row["reason"], row["recorded_at"],
                 )
-            identity = self.producers.get(row["transactional_id"] or "")
-            if identity is not None and identity.producer_id == row["producer_id"]:
-                identity.txn = txn if state == TxnStatus.ONGOING else None
+            if current and state == TxnStatus.ONGOING:
+                identity.txn = txn
+            elif current and identity.txn == txn:
+                identity.txn = None  # not if another of its transactions began meanwhile (commit_async)
         # Ids above everything stored, ingested ledgers included, so none can collide.
         stored_pid = self.tables.column_max(LEDGER_ENTRIES, "producer_id") or 0
         self._next_producer_id = max(max_pid, stored_pid) + 1
