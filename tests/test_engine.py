@@ -261,6 +261,38 @@ def test_timeout_abort_and_the_late_commit(warehouse):
         p.send("t", b"next")
         p.commit()
         assert payloads(engine, "t") == [b"next"]
+        # A commit past the timeout is refused even before anything aborted it (the engine's timer
+        # waits 10 s of real time here): the coordinator aborts it then and there.
+        late = p.begin()
+        p.send("t", b"too late").result()
+        clock.now += timedelta(seconds=11)
+        with pytest.raises(TransactionAbortedError, match="aborted by coordinator \\(timed out"):
+            p.commit()
+        p.abort()
+        assert engine.abort_expired() == []
+        engine.send("u", b"after").result()  # queued after the abort: its round wrote the markers too
+        assert markers_of(engine, late) == [("t", "ABORT")]
+        assert payloads(engine, "t") == [b"next"]
+
+
+def test_the_running_engine_aborts_expired_transactions_itself(warehouse_root):
+    # Nothing calls abort_expired() here: the engine's own timer does, as often as the shortest
+    # timeout of its producers when that is below its interval (Kafka's coordinator: 10 s).
+    with Engine(Warehouse(None, WarehouseSettings(warehouse=str(warehouse_root))), abort_expired_interval=30) as engine:
+        p = engine.producer("sleepy", transaction_timeout=0.05)
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"x").result()
+        deadline = time.monotonic() + 5
+        while txn not in engine.coordinator.txns or engine.coordinator.txns[txn].state != "COMPLETE_ABORT":
+            assert time.monotonic() < deadline, "the running engine did not abort its expired transaction"
+            time.sleep(0.02)
+        assert engine.coordinator.txns[txn].actor == "coordinator"
+        assert markers_of(engine, txn) == [("t", "ABORT")]
+        with pytest.raises(TransactionAbortedError, match="timed out"):
+            p.send("t", b"y")
+    with pytest.raises(ValueError, match="abort_expired_interval must be positive"):
+        Engine(Warehouse(None, WarehouseSettings(warehouse=str(warehouse_root))), abort_expired_interval=0)
 
 
 def test_epochs_only_grow_across_recovery(warehouse_root):
