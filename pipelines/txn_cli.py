@@ -6,6 +6,7 @@ import argparse
 import getpass
 from datetime import datetime, timedelta, timezone
 
+from pipelines.cli import non_negative
 from txn_engine.schema import TXN_STATES
 from txn_engine.transaction_buffer import TxnId
 
@@ -20,11 +21,11 @@ def add_txn_parser(sub, handler) -> None:
     q = txn_sub.add_parser("list", help="every known transaction, from txn_log and from the ledgers")
     q.add_argument("--state", type=str.upper, choices=LIST_STATES, metavar="STATE",
                    help=f"only this state (any case), one of {', '.join(LIST_STATES)}")
-    q.add_argument("--limit", type=int, default=100, help="rows to print (default 100)")
+    q.add_argument("--limit", type=non_negative(int), default=100, help="rows to print (default 100)")
     q = txn_sub.add_parser("describe", help="one transaction: state, topics, history")
     q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
     q = txn_sub.add_parser("find-hanging", help="open past their timeout, or holding a stable position back")
-    q.add_argument("--held-back", type=float, default=300.0, metavar="SECONDS",
+    q.add_argument("--held-back", type=non_negative(float), default=300.0, metavar="SECONDS",
                    help="report transactions holding a topic's stable position back longer than this (default 300)")
     q = txn_sub.add_parser("abort", help="abort a transaction (ABORT markers), recorded with who/why in txn_log")
     q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")

@@ -7,7 +7,7 @@ from datetime import timedelta
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from txn_engine.engine import Engine
+from txn_engine.engine import ABORT_EXPIRED_INTERVAL_S, Engine
 from txn_engine.ledger_writer import RolloverPolicy
 from txn_engine.table_upkeep import UpkeepPolicy
 from txn_engine.warehouse import Warehouse
@@ -40,6 +40,13 @@ class EngineResource(ConfigurableResource):
         default=_UPKEEP.compact_every, description="Compact a table's small files every this many of its commits (0: never)."
     )
 
+    abort_expired_interval_seconds: float = Field(
+        default=ABORT_EXPIRED_INTERVAL_S,
+        description="The running engine aborts the transactions open past their timeout this often (Kafka's "
+        "transaction.abort.timed.out.transaction.cleanup.interval.ms), or as often as its producers' shortest "
+        "timeout when that is shorter.",
+    )
+
     def upkeep(self) -> UpkeepPolicy:
         return UpkeepPolicy(
             log_retention=timedelta(seconds=self.log_retention_seconds),
@@ -53,4 +60,5 @@ class EngineResource(ConfigurableResource):
         )
 
     def open(self, warehouse: Warehouse) -> Engine:
-        return Engine(warehouse, txn_groups=self.txn_groups, rollover=self.rollover(), upkeep=self.upkeep())
+        return Engine(warehouse, txn_groups=self.txn_groups, rollover=self.rollover(), upkeep=self.upkeep(),
+                      abort_expired_interval=self.abort_expired_interval_seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -384,6 +385,89 @@ def test_timeout_abort_and_the_late_commit(warehouse):
         p.send("t", b"next")
         p.commit()
         assert payloads(engine, "t") == [b"next"]
+        # A commit past the timeout is refused even before anything aborted it (the engine's timer
+        # waits 10 s of real time here): the coordinator aborts it then and there.
+        late = p.begin()
+        p.send("t", b"too late").result()
+        clock.now += timedelta(seconds=11)
+        with pytest.raises(TransactionAbortedError, match="aborted by coordinator \\(timed out"):
+            p.commit()
+        p.abort()
+        assert engine.abort_expired() == []
+        engine.send("u", b"after").result()  # queued after the abort: its round wrote the markers too
+        assert markers_of(engine, late) == [("t", "ABORT")]
+        assert payloads(engine, "t") == [b"next"]
+
+
+def test_the_running_engine_aborts_expired_transactions_itself(warehouse_root):
+    # Nothing calls abort_expired() here: the engine's own timer does, as often as the shortest
+    # timeout of its producers when that is below its interval (Kafka's coordinator: 10 s).
+    with Engine(Warehouse(None, WarehouseSettings(warehouse=str(warehouse_root))), abort_expired_interval=30) as engine:
+        p = engine.producer("sleepy", transaction_timeout=0.05)
+        p.init_transactions()
+        txn = p.begin()
+        p.send("t", b"x").result()
+        deadline = time.monotonic() + 5
+        while txn not in engine.coordinator.txns or engine.coordinator.txns[txn].state != "COMPLETE_ABORT":
+            assert time.monotonic() < deadline, "the running engine did not abort its expired transaction"
+            time.sleep(0.02)
+        assert engine.coordinator.txns[txn].actor == "coordinator"
+        assert markers_of(engine, txn) == [("t", "ABORT")]
+        with pytest.raises(TransactionAbortedError, match="timed out"):
+            p.send("t", b"y")
+    with pytest.raises(ValueError, match="abort_expired_interval must be positive"):
+        Engine(Warehouse(None, WarehouseSettings(warehouse=str(warehouse_root))), abort_expired_interval=0)
+
+
+def test_epochs_only_grow_across_recovery(warehouse_root):
+    """A transaction prepared, then a newer instance's init_transactions durable, then a crash: recovery
+    writes the transaction's COMPLETE row (with its own, older epoch) last; the next engine must still
+    hand out an epoch above every one already given."""
+    wh = Warehouse(None, WarehouseSettings(warehouse=str(warehouse_root)))
+    held, release, crash = threading.Event(), threading.Event(), CrashAt(AFTER_PREPARE)
+
+    def hook(point):
+        if point == AFTER_ENTRIES_CHUNK and not release.is_set():
+            held.set()  # hold the committer after the data round, so the next round takes both below
+            release.wait(5)
+        crash(point)
+
+    engine = Engine(wh, crash_hook=hook)
+    p = engine.producer("app")
+    assert p.init_transactions()[1] == 0
+    txn = p.begin()
+    p.send("t", b"x")
+    p.flush()
+    assert held.wait(5)
+    p.commit_async()  # PREPARE_COMMIT, queued behind the held data round
+    crash.arm()
+    second: list = []
+
+    def init_second():
+        try:
+            second.append(engine.producer("app").init_transactions())
+        except Exception as exc:  # the crash below stops the engine before the answer
+            second.append(exc)
+
+    thread = threading.Thread(target=init_second)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while engine.coordinator.producers["app"].epoch != 1:  # its record is queued once epoch 1 is set
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with engine.coordinator.lock:
+        pass  # ... under this lock, which it holds until it has queued the record
+    release.set()  # one round: PREPARE_COMMIT and epoch 1 durable, then the crash
+    thread.join(5)
+    assert isinstance(second[0], InjectedCrash)
+    engine.close()
+    with Engine(wh) as recovered:
+        assert recovered.recovered == [txn]
+    with Engine(wh) as engine:
+        log = engine.tables.read(TXN_LOG, TXN_LOG_SCHEMA).sort_by("log_seq").to_pylist()
+        assert [(r["state"], r["producer_epoch"]) for r in log[-2:]] == [("EMPTY", 1), ("COMPLETE_COMMIT", 0)]
+        assert engine.producer("app").init_transactions()[1] == 2
+        assert payloads(engine, "t") == [b"x"]
 
 
 def test_finished_transactions_leave_no_state_behind(warehouse, tmp_path):

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
+from datetime import datetime, timezone
 
 import pyarrow.compute as pc
-from dagster import AssetKey, RunRequest, build_sensor_context, materialize
+import pytest
+from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context, materialize
 
 from assets.engine import abort_expired_job, demo_workload, txn_timeout_sensor
 from pipelines.cli import main
@@ -41,18 +42,31 @@ def test_demo_workload_asset_runs_only_when_asked(dagster_resources, warehouse):
 
 
 def test_timeout_sensor_launches_the_abort(warehouse, dagster_resources):
-    with Engine(warehouse) as engine:
+    resources = {"warehouse": dagster_resources["warehouse"]}
+    long_ago = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    # Its clock stands still, so its own timeout timer never finds the transaction expired; the
+    # sensor, on the real clock, does.
+    with Engine(warehouse, clock=lambda: long_ago) as engine:
         p = engine.producer("sleepy", transaction_timeout=0.05)
         p.init_transactions()
         txn = p.begin()
         p.send("t", b"x").result()
-    resources = {"warehouse": dagster_resources["warehouse"]}
-    context = build_sensor_context(resources=resources)
-    time.sleep(0.1)
-    request = txn_timeout_sensor(context)
-    assert isinstance(request, RunRequest) and str(txn) in request.run_key
+        request = txn_timeout_sensor(build_sensor_context(resources=resources))
+        assert isinstance(request, RunRequest) and str(txn) in request.tags["txnlake/expired"]
+        # While an engine runs it aborts its expired transactions itself: the job, refused the
+        # warehouse, says so and succeeds instead of failing.
+        instance = DagsterInstance.ephemeral()
+        result = abort_expired_job.execute_in_process(resources=dagster_resources, instance=instance)
+        assert result.success and result.output_for_node("abort_expired_op") == []
+        messages = [e.user_message for e in instance.all_logs(result.run_id)]
+        assert any("an engine is running on this warehouse and aborts its expired transactions itself" in m
+                   for m in messages)
+    # Still expired, the same transactions: the next tick must launch a run again. Dagster launches a
+    # run key once only, so the request has none.
+    request = txn_timeout_sensor(build_sensor_context(resources=resources))
+    assert isinstance(request, RunRequest) and request.run_key is None
     result = abort_expired_job.execute_in_process(resources=dagster_resources)
-    assert result.success
+    assert result.success and result.output_for_node("abort_expired_op") == [str(txn)]
     assert TxnAdmin(DeltaTables(warehouse)).describe(txn).state == "COMPLETE_ABORT"
     assert txn_timeout_sensor(build_sensor_context(resources=resources)).skip_message
 
@@ -106,3 +120,14 @@ def test_operator_abort_of_an_engine_transaction_is_recorded(warehouse, capsys):
     with Engine(warehouse) as engine:
         assert engine.consumer("t").read() == []
         assert TxnAdmin(engine.tables).describe(TxnId(txn.most_bits, txn.least_bits)).state == "COMPLETE_ABORT"
+
+
+def test_txn_tools_refuse_negative_counts_and_durations(warehouse_root, capsys):
+    # argparse's plain int/float took them: `--limit -1` printed all rows but the last ("first -1 shown").
+    for argv, option, value in [(["txn", "list", "--limit", "-1"], "--limit", "-1"),
+                                (["txn", "find-hanging", "--held-back", "-5"], "--held-back", "-5")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2
+        assert f"argument {option}: must be 0 or more, got {value}" in capsys.readouterr().err
+    assert not warehouse_root.exists()  # refused before anything ran

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -118,6 +119,10 @@ class TransactionCoordinator:
         self._log_seq = 0
         self._next_producer_id = 1
         self._next_txn_seq: dict[int, int] = {}
+        # The shortest transaction timeout of the producers initialized in this engine, and the event
+        # the engine's timeout timer waits on: set when that timeout gets shorter (or the engine closes).
+        self.shortest_timeout_ms: int | None = None
+        self.expiry_wakeup = threading.Event()
         self._load()
 
     # -- loading and recovery ----------------------------------------------------------------
@@ -129,10 +134,20 @@ class TransactionCoordinator:
             self._log_seq = max(self._log_seq, row["log_seq"])
             max_pid = max(max_pid, row["producer_id"])
             group = row["txn_group"]
-            if row["transactional_id"] is not None:
-                self.producers[row["transactional_id"]] = ProducerIdentity(
-                    row["transactional_id"], row["producer_id"], row["producer_epoch"], group, row["timeout_ms"]
+            tid = row["transactional_id"]
+            identity = self.producers.get(tid) if tid is not None else None
+            # A transaction's rows carry that transaction's epoch (the one its markers carry), also
+            # when written after a newer instance's init_transactions (recovery finishing a prepared
+            # transaction, the timeout abort of an older instance's transaction): such a row says
+            # nothing of the producer's current epoch. Its epoch is the highest seen, so epochs only
+            # grow and none is handed out twice; the rows keep meaning "this transaction, this epoch".
+            if tid is not None and (
+                identity is None or identity.producer_id != row["producer_id"] or row["producer_epoch"] > identity.epoch
+            ):
+                identity = self.producers[tid] = ProducerIdentity(
+                    tid, row["producer_id"], row["producer_epoch"], group, row["timeout_ms"]
                 )
+            current = identity is not None and row["producer_epoch"] == identity.epoch
             if row["txn_most_bits"] is None:
                 continue
             txn = TxnId(row["txn_most_bits"], row["txn_least_bits"])
@@ -146,9 +161,10 @@ class TransactionCoordinator:
                     row["txn_started_at"], state, list(row["topics"]), list(row["offsets"] or []),
                     row["actor"], row["reason"], row["recorded_at"],
                 )
-            identity = self.producers.get(row["transactional_id"] or "")
-            if identity is not None and identity.producer_id == row["producer_id"]:
-                identity.txn = txn if state == TxnStatus.ONGOING else None
+            if current and state == TxnStatus.ONGOING:
+                identity.txn = txn
+            elif current and identity.txn == txn:
+                identity.txn = None  # not if another of its transactions began meanwhile (commit_async)
         # Ids above everything stored, ingested ledgers included, so none can collide.
         stored_pid = self.tables.column_max(LEDGER_ENTRIES, "producer_id") or 0
         self._next_producer_id = max(max_pid, stored_pid) + 1
@@ -226,6 +242,9 @@ class TransactionCoordinator:
             identity = ProducerIdentity(identity.transactional_id, identity.producer_id, identity.epoch + 1,
                                         identity.group, timeout_ms)
             self.producers[transactional_id] = identity
+            if self.shortest_timeout_ms is None or timeout_ms < self.shortest_timeout_ms:
+                self.shortest_timeout_ms = timeout_ms
+                self.expiry_wakeup.set()
             row = self._identity_row(identity, "producer", "init_transactions")
             future = self.writer.submit(WriteRequest(after=[row]))
         future.result()
@@ -305,6 +324,11 @@ class TransactionCoordinator:
             if t is None:
                 raise UnknownTransactionError(f"no transaction {txn} in txn_log; list them with `txnlake txn list`")
             self.require_ongoing(t)
+            if outcome == EntryType.COMMIT and t.expired(self.clock()):
+                # Past its timeout it is the coordinator's to abort, whether or not the engine's
+                # timeout timer has come by yet: a late commit never lands (Kafka refuses it too).
+                self._abort_timed_out(t)
+                self.require_ongoing(t)  # raises TransactionAbortedError, naming the timeout
             return self._end(t, outcome, actor, reason, depends_on)
 
     def _end(self, t: Transaction, outcome: EntryType, actor: str, reason: str | None, depends_on=()):
@@ -337,17 +361,26 @@ class TransactionCoordinator:
         return self.writer.submit(request)
 
     def abort_expired(self, now: datetime | None = None) -> list[TxnId]:
-        """Abort every transaction open past its timeout (what the timeout sensor drives)."""
+        """Abort every transaction open past its timeout (the engine's timeout timer calls it)."""
         now = now or self.clock()
         futures = []
         with self.lock:
             for t in list(self.txns.values()):
                 if t.expired(now):
-                    reason = f"timed out: open since {t.started_at:%Y-%m-%d %H:%M:%S} UTC, timeout {t.timeout_ms} ms"
-                    futures.append((t.txn, self._end(t, EntryType.ABORT, "coordinator", reason)))
+                    futures.append((t.txn, self._abort_timed_out(t)))
         for _, future in futures:
             future.result()
         return [txn for txn, _ in futures]
+
+    def _abort_timed_out(self, t: Transaction) -> Future:
+        reason = f"timed out: open since {t.started_at:%Y-%m-%d %H:%M:%S} UTC, timeout {t.timeout_ms} ms"
+        return self._end(t, EntryType.ABORT, "coordinator", reason)
+
+    def expiry_check_interval(self, most: float) -> float:
+        """Seconds until the timeout timer should look again: `most`, or less when a producer of this
+        engine has a shorter timeout, so a transaction is aborted within about twice its timeout."""
+        shortest = self.shortest_timeout_ms
+        return most if shortest is None else min(most, shortest / 1000)
 
     def abort_from_ledgers(self, txn: TxnId, topics: list[str], producer_id: int | None, actor: str, reason: str):
         """An operator's abort of a transaction txn_log does not know: ABORT markers on `topics`."""

@@ -23,12 +23,20 @@ flight, quiet): the collector's time went from 3.2 s to 0.3-0.4 s a run at 20,00
 reference counting never reach the threshold, so memory stays bounded by the live set + 100,000.
 
 Both settings are the process's: set when its first engine starts, restored when its last closes.
+
+Like Kafka's coordinator (transaction.abort.timed.out.transaction.cleanup.interval.ms, 10 s), the
+running engine aborts the transactions open past their timeout itself: a timer thread calls
+`abort_expired` every `abort_expired_interval` (default 10 s), or as often as the shortest timeout
+of its producers when that is shorter. Nothing else could while it runs: it holds the warehouse.
+A commit arriving past the timeout is refused (and the transaction aborted) even before the timer
+comes by.
 """
 
 from __future__ import annotations
 
 import fcntl
 import gc
+import logging
 import os
 import socket
 import sys
@@ -48,13 +56,17 @@ from txn_engine.producer import (
 from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
 from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
 from txn_engine.transaction_buffer import EntryType, TxnId
-from txn_engine.txn_errors import EngineLockedError
+from txn_engine.txn_errors import EngineLockedError, EngineStoppedError
 from txn_engine.warehouse import Warehouse
 
 ENGINE_LOCK = "engine"
 GIL_SWITCH_INTERVAL_S = 0.001  # see the module docstring
 GC_FIRST_GENERATION_THRESHOLD = 100_000  # see the module docstring (Python's default: 700)
 ENGINE_TABLES = (TXN_LOG, LEDGER_ENTRIES, CONSUMER_OFFSETS, LEDGER_STATES_LOG)  # what the engine appends to
+ABORT_EXPIRED_INTERVAL_S = 10.0  # see the module docstring (Kafka's default)
+MIN_EXPIRY_CHECK_S = 0.01  # the timer never looks more often, however short a timeout
+
+log = logging.getLogger(__name__)
 
 
 class InterpreterTuning:
@@ -114,6 +126,46 @@ class EngineLock:
             self._fd = -1
 
 
+class TimeoutTimer:
+    """The thread that aborts the engine's expired transactions (module docstring)."""
+
+    def __init__(self, coordinator: TransactionCoordinator, writer: LedgerWriter, interval_s: float):
+        self.coordinator = coordinator
+        self.writer = writer
+        self.interval_s = interval_s
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="txnlake-timeouts", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.coordinator.expiry_wakeup.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        coordinator = self.coordinator
+        while not self._stopping:
+            wait = max(MIN_EXPIRY_CHECK_S, coordinator.expiry_check_interval(self.interval_s))
+            if coordinator.expiry_wakeup.wait(wait):
+                coordinator.expiry_wakeup.clear()
+                continue  # closing, or a producer with a shorter timeout: wait again from now
+            if self.writer.stopped is not None:
+                return  # a failed write stopped the engine; the next one recovers and aborts
+            try:
+                aborted = coordinator.abort_expired()
+            except EngineStoppedError:
+                return
+            except Exception:  # noqa: BLE001 - the next round tries again; the engine keeps serving
+                log.exception("aborting expired transactions failed")
+                continue
+            if aborted:
+                log.info("aborted %d transaction(s) open past their timeout: %s",
+                         len(aborted), ", ".join(map(str, aborted)))
+
+
 class Engine:
     """The facade: coordinator, ledger writer, producer states, consumers. Use as a context manager."""
 
@@ -127,7 +179,12 @@ class Engine:
         crash_hook: Callable[[str], None] | None = None,
         max_rows_per_commit: int = 100_000,
         upkeep: UpkeepPolicy | None = None,
+        abort_expired_interval: timedelta | float = ABORT_EXPIRED_INTERVAL_S,
     ):
+        interval = abort_expired_interval
+        interval_s = interval.total_seconds() if isinstance(interval, timedelta) else float(interval)
+        if not interval_s > 0:
+            raise ValueError(f"abort_expired_interval must be positive (seconds), got {abort_expired_interval!r}")
         self.warehouse = warehouse
         self.clock = clock
         self._lock = EngineLock(warehouse)
@@ -142,6 +199,8 @@ class Engine:
             self.sequences = ProducerStateManager(self.tables)
             self.recovered: list[TxnId] = self.coordinator.recover()
             self.writer.start()
+            self.timeouts = TimeoutTimer(self.coordinator, self.writer, interval_s)
+            self.timeouts.start()
         except BaseException:
             self._lock.release()
             raise
@@ -169,7 +228,8 @@ class Engine:
     # -- coordinator -------------------------------------------------------------------------
 
     def abort_expired(self, now: datetime | None = None) -> list[TxnId]:
-        """Abort every transaction open past its timeout; returns their ids."""
+        """Abort every transaction open past its timeout now; returns their ids (the engine's timer
+        calls it too, see the module docstring)."""
         return self.coordinator.abort_expired(now)
 
     # -- reading -----------------------------------------------------------------------------
@@ -184,6 +244,7 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        self.timeouts.stop()  # first: an abort it is making still gets written
         self.writer.stop()
         self._lock.release()
         InterpreterTuning.engine_closed()
