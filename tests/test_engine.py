@@ -459,7 +459,8 @@ def test_epochs_only_grow_across_recovery(warehouse_root):
         pass  # ... under this lock, which it holds until it has queued the record
     release.set()  # one round: PREPARE_COMMIT and epoch 1 durable, then the crash
     thread.join(5)
-    assert isinstance(second[0], InjectedCrash)
+    # A crashed round tells its callers the engine stopped, the crash as its cause.
+    assert isinstance(second[0], EngineStoppedError) and isinstance(second[0].__cause__, InjectedCrash)
     engine.close()
     with Engine(wh) as recovered:
         assert recovered.recovered == [txn]
