@@ -6,6 +6,8 @@ import os
 import time
 from datetime import datetime, timedelta, timezone
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
 
@@ -26,7 +28,17 @@ from txn_engine.retention import (
     parse_bytes,
     parse_duration,
 )
-from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, DELETED_LEDGERS, LEDGER_ENTRIES, LEDGERS, TXN_MARKERS
+from txn_engine.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    DELETED_LEDGERS,
+    LEDGER_ENTRIES,
+    LEDGERS,
+    RECOVERED_BUFFER_STATE,
+    TXN_MARKERS,
+)
+from txn_engine.snapshot_jobs import full_replay_states, recovery_mismatches, write_snapshots
+from txn_engine.snapshot_recovery import recover_to_warehouse
 from txn_engine.transaction_buffer import LogEntry, TxnId, replay
 
 # Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
@@ -117,6 +129,22 @@ def data_files_on_disk(wh, table):
 
 def data_files_referenced(wh, table):
     return {os.path.normpath(uri.removeprefix("file://")) for uri in DeltaTable(wh.path(table)).file_uris()}
+
+
+def test_driver_recovery_selects_topics_in_files_delta_rs_rewrote(offloaded):
+    """Retention deletes a small log's rows by delta-rs, which rewrites their files with strings
+    stored as string_view (delta-rs 1.6); the snapshot recovery in the driver still selects by
+    topic (was: "no kernel matching input types (string, string_view)", and `txnlake snapshot`
+    failing from then on). The committed-once check's read by outcome: test_buffer_checks."""
+    wh = offloaded
+    write_snapshots(wh, ["t", "u"])
+    apply_retention(wh, RetentionPolicy(keep_ledgers=1))
+    def string_view_files(table):
+        return [u for u in DeltaTable(wh.path(table)).file_uris()
+                if pq.read_schema(u.removeprefix("file://")).field("topic").type == pa.string_view()]
+    assert string_view_files(LEDGER_ENTRIES)  # the case at hand
+    assert recover_to_warehouse(wh).path == "driver"
+    assert recovery_mismatches(wh.read(RECOVERED_BUFFER_STATE), full_replay_states(wh.read(LEDGER_ENTRIES))).count() == 0
 
 
 def test_retention_frees_the_disk_of_deleted_ledgers_after_the_file_retention(offloaded):

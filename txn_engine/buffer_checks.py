@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 
 from txn_engine.buffer_arrow import POSITIONS, SEQUENCE_KEY, TXN_KEY, ledger_filter
 from txn_engine.buffer_incremental import ALL_LEDGERS, RUN_LEDGERS_KEY
-from txn_engine.delta_io import DeltaTables
+from txn_engine.delta_io import DeltaTables, scan
 from txn_engine.schema import BUFFER_LEDGER_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.transaction_buffer import EntryType
 from txn_engine.warehouse import Warehouse
@@ -93,9 +93,8 @@ def committed_once(wh: Warehouse) -> CommittedOnce:
     rows = committed.to_table(filter=_isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
                               columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id"])
     txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
-    commits = tables.dataset(TXN_MARKERS).to_table(
-        filter=(pc.field("outcome") == EntryType.COMMIT.value) & _isin("txn_least_bits", txn_rows["txn_least_bits"]),
-        columns=TXN_KEY)
+    commits = scan(tables.dataset(TXN_MARKERS), _isin("txn_least_bits", txn_rows["txn_least_bits"]), TXN_KEY,
+                   on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
     # The keys that span ledgers: every row of the table that shares one with the run's rows.
     positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
     sequenced = rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"])))

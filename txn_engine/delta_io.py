@@ -140,6 +140,23 @@ def sql_string(text: str, delta_rs: bool = False) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+def scan(dataset: pyarrow.dataset.Dataset, pushed: pc.Expression | None = None, columns: Sequence[str] | None = None,
+         on_rows: pc.Expression | None = None, on_rows_columns: Sequence[str] = ()) -> pa.Table:
+    """`columns` of the rows of `dataset` matching `pushed` and `on_rows`.
+
+    `pushed` goes to the files (statistics, row groups); `on_rows` is applied to the rows read and
+    names its columns in `on_rows_columns`. A condition on a string column must go in `on_rows`:
+    the files delta-rs 1.6 rewrites (DELETE, UPDATE, OPTIMIZE) store strings as `string_view`
+    (delta-rs #4579), and pyarrow 26 fails any pushed-down string condition on such a file
+    ("no kernel matching input types (string, string_view)").
+    """
+    read = None if columns is None else list(dict.fromkeys([*columns, *on_rows_columns]))
+    rows = dataset.to_table(filter=pushed, columns=read)
+    if on_rows is not None:
+        rows = rows.filter(on_rows)
+    return rows if columns is None else rows.select(list(columns))
+
+
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
 
 

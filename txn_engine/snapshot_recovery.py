@@ -30,7 +30,7 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import NARROW_COLUMNS
-from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type
+from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan
 from txn_engine.positions import Position
 from txn_engine.schema import (
     ABORT_STRUCT,
@@ -290,7 +290,7 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     if dataset.count_rows() > limits.max_scanned_entries:
         return None
     topics = sorted(usable)
-    rows = dataset.to_table(columns=columns, filter=(ds.field("ledger_id") >= lowest) & ds.field("topic").isin(topics))
+    rows = scan(dataset, ds.field("ledger_id") >= lowest, columns, on_rows=ds.field("topic").isin(topics))
     at = pc.index_in(rows.column("topic"), pa.array(topics))
     sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
     se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
@@ -310,9 +310,9 @@ def _anchor(log: DeltaTable, topic: str, snap: IndexedSnapshot, deleted: set[int
         return None
     if snap.max_read.ledger_id not in deleted:
         return snap.max_read
-    older = log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id < {snap.max_read.ledger_id}").to_table(
-        columns=["ledger_id", "entry_id"],
-        filter=(ds.field("topic") == topic) & (ds.field("ledger_id") < snap.max_read.ledger_id))
+    older = scan(log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id < {snap.max_read.ledger_id}"),
+                 ds.field("ledger_id") < snap.max_read.ledger_id, ["ledger_id", "entry_id"],
+                 on_rows=ds.field("topic") == topic, on_rows_columns=["topic"])
     if not older.num_rows:
         return None
     last = pc.max(older.column("ledger_id")).as_py()
