@@ -311,6 +311,14 @@ def _known_topics(wh) -> set[str]:
     return topics
 
 
+def entry_line(e) -> str:
+    """One entry of `txnlake read` on one line: position, tier, transaction, key, payload (the key
+    escaped as the payload is, so a newline or tab in it cannot start a line that looks like an entry)."""
+    txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
+    key = "" if e.key is None else payload_text(e.key.encode("utf-8", "surrogateescape"))
+    return f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={key}\t{payload_text(e.payload)}"
+
+
 def cmd_read(args: argparse.Namespace) -> int:
     from txn_engine.positions import Position
     from txn_engine.reader import TopicReader
@@ -329,8 +337,7 @@ def cmd_read(args: argparse.Namespace) -> int:
             raise TxnlakeError(f"unknown topic {args.topic!r}; the warehouse has "
                                + (f"{len(known)} topic(s): {listed}" if known else "no topic yet (`txnlake ingest FILE`)"))
     for e in batch.entries:
-        txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
-        print(f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={e.key or ''}\t{payload_text(e.payload)}")
+        print(entry_line(e))
     nxt = batch.next_position
     print(f"-- {len(batch.entries)} entries" + (f"; continue with --from {nxt}" if nxt else ""))
     return 0

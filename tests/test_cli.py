@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from pipelines.cli import DAGSTER_YAML, PAYLOAD_CHARS, _instance, main, payload_text
+from pipelines.cli import DAGSTER_YAML, PAYLOAD_CHARS, _instance, entry_line, main, payload_text
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,6 +111,10 @@ def test_payloads_print_on_one_line():
     assert payload_text("żółw".encode()) == "żółw"
     assert payload_text(b"two\nlines") == r"b'two\nlines'" and payload_text(b"a\tb") == r"b'a\tb'"
     assert payload_text(b"\xff\x00") == r"b'\xff\x00'"
+    # A key is escaped too: one entry, one line.
+    forged = SimpleNamespace(ledger_id=1, entry_id=0, tier="hot", txn_most_bits=None, txn_least_bits=None,
+                             key="k\n2:0\thot", payload=b"p")
+    assert entry_line(forged) == "1:0\thot\ttxn=-\tkey=b'k\\n2:0\\thot'\tp"
     assert payload_text(b"x" * 100) == "x" * PAYLOAD_CHARS + "..."
     cut = payload_text(bytes(range(200, 256)))  # escapes cut whole, not in half
     assert cut.startswith(r"b'\xc8\xc9") and cut.endswith("'...") and len(cut) <= PAYLOAD_CHARS + 3
