@@ -58,7 +58,7 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
 
-SPARK_CONF_DIR = Path(__file__).with_name("spark_conf")
+SPARK_CONF_DIR = Path(__file__).parent  # holds log4j2.properties, and no spark-defaults.conf
 
 _lock = threading.Lock()
 _session: SparkSession | None = None
@@ -131,7 +131,7 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
         if wanted["spark.master"].startswith("local"):
             # Local mode talks to itself only: bind to loopback, not to whatever eth0 is.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-            # Our log4j2 configuration (spark_conf/): without one Spark logs at INFO and announces
+            # Our log4j2 configuration (log4j2.properties here): without one Spark logs at INFO and announces
             # its default profile on every start, burying the CLI's story. A set conf dir wins.
             os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
         started = time.perf_counter()

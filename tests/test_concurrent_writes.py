@@ -37,7 +37,7 @@ def test_two_processes_racing_on_one_table_lose_nothing(spark, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out.decode()[-3000:]
-        # A fresh process's JVM starts quietly (resources/spark_conf): no INFO banner, no native-library warning.
+        # A fresh process's JVM starts quietly (resources/log4j2.properties): no INFO banner, no native-library warning.
         assert b"default log4j profile" not in out and b"NativeCodeLoader" not in out, out.decode()[-3000:]
 
     table = spark.read.format("delta").load(str(root / "race"))
