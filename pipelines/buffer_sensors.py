@@ -5,21 +5,26 @@ is closed (CLOSED or OFFLOADED: recorded in `ledger_states`, or no longer its to
 ledger). The sensor adds the keys of the newly closed ledgers and requests ONE run over their
 range; that run also picks up the OPEN ledgers' new entries (see `txn_engine.buffer_incremental`).
 
-A closed ledger that is a partition already (`txnlake run` adds a log's first ledgers while they
-are all OPEN) but that the buffer state describes with other counts than the catalog (it grew
-before it closed) gets a run over its own key too. The cursor holds the counts each such ledger
-had when its run was requested, so a tick during that run does not request it again.
+Every closed ledger the buffer state does not describe at the catalog's counts gets a run: a
+newly closed one, a partition already whose run failed (asked again after a backoff: 1, 2, 4 ...
+minutes, at most an hour), and one that was a partition while OPEN (`txnlake run` adds a log's first
+ledgers so) and grew before it closed. The cursor keeps, per such ledger, the counts, request and
+attempt of its last request, and the runs carry the request as a tag (`REQUEST_TAG`): a tick while
+they are queued or running asks nothing more, and one after they failed knows it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import time
 
 from dagster import (
     AssetSelection,
     DagsterInstance,
+    DagsterRunStatus,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
@@ -41,6 +46,10 @@ from txn_engine.schema import BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LED
 from txn_engine.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
+REQUEST_TAG = "txnlake/buffer_request"  # on the runs the sensor requests: which request, which attempt
+RETRY_BACKOFF_S = 60.0  # a failed run is requested again after this, doubled per attempt ...
+RETRY_BACKOFF_MAX_S = 3600.0  # ... up to an hour
+FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 
 transaction_buffer_job = define_asset_job(
     "transaction_buffer",
@@ -77,35 +86,72 @@ def closed_ledgers_behind_the_state(wh: Warehouse) -> dict[str, list[int]]:
             and state.get((r["topic"], r["ledger_id"])) != (r["entry_count"], r["last_entry_id"])}
 
 
-def changed_partition_keys(behind: dict[str, list[int]], requested: dict[str, list[int]], known: list[str]) -> list[str]:
-    """Keys, in partition order, of the partitions among `behind` whose run was not requested at
-    these very counts (`requested`: the sensor's cursor)."""
-    changed = {ledger_partition_key(int(name.rsplit("/", 1)[1])) for name, counts in behind.items()
-               if requested.get(name) != counts}
-    return [k for k in known if k in changed]
+def _ledger_key(name: str) -> str:
+    return ledger_partition_key(int(name.rsplit("/", 1)[1]))
+
+
+def _requested_runs_state(instance: DagsterInstance, request: str) -> str:
+    """"running", "succeeded" or "failed" (failed, canceled, or never launched) for the runs tagged `request`."""
+    runs = instance.get_runs(filters=RunsFilter(tags={REQUEST_TAG: request}))
+    if any(r.status not in FINISHED for r in runs):
+        return "running"
+    if runs and all(r.status == DagsterRunStatus.SUCCESS for r in runs):
+        return "succeeded"
+    return "failed"
+
+
+def retry_after_s(attempt: int) -> float:
+    """How long after the `attempt`-th request (0: the first) of a ledger its failed run is requested again."""
+    return min(RETRY_BACKOFF_S * 2 ** attempt, RETRY_BACKOFF_MAX_S)
 
 
 @sensor(job=transaction_buffer_job, minimum_interval_seconds=60,
         description="Adds the partition keys of newly closed ledgers and runs the transaction buffer over them "
-                    "(and over a ledger that was a partition while OPEN, once it has closed).")
+                    "(and over a ledger that was a partition while OPEN, once it has closed); retries a failed run.")
 def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
     # The catalog and the state are read by delta-rs: a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
-    new = new_closed_ledger_keys(wh, context.instance)
+    instance = context.instance
+    new = new_closed_ledger_keys(wh, instance)
     behind = closed_ledgers_behind_the_state(wh)
-    requested = json.loads(context.cursor) if context.cursor else {}
-    changed = changed_partition_keys(behind, requested, context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    # Every ledger behind the state is now requested (or is being computed): the cursor says at which counts.
-    context.update_cursor(json.dumps(behind, sort_keys=True))
-    if not new and not changed:
-        return SkipReason("no newly closed ledger in the `ledgers` catalog")
+    # The cursor: per closed ledger behind the state, the counts, request and attempt of its last run request.
+    requested: dict[str, dict] = json.loads(context.cursor) if context.cursor else {}
+    now = time.time()
+    states: dict[str, str] = {}  # request tag -> state of its runs, looked up once
+    due: dict[str, int] = {}  # name -> attempt of the request to make now
+    waiting = []
+    for name, counts in behind.items():
+        last = requested.get(name)
+        if last is None or last["counts"] != counts:
+            due[name] = 0
+            continue
+        state = states.setdefault(last["request"], _requested_runs_state(instance, last["request"]))
+        if state == "failed":
+            if now >= last["at"] + retry_after_s(last["attempt"]):
+                due[name] = last["attempt"] + 1
+            else:
+                waiting.append(name)
+        # "running": its run will write it; "succeeded": computed, but the catalog counts differ
+        # (ledger_entries grew since the catalog was materialized): the next catalog refresh tells.
+    request = f"{int(now * 1000)}"
+    cursor = {name: requested[name] for name in behind if name in requested and name not in due}
+    cursor.update({name: {"counts": behind[name], "request": request, "attempt": attempt, "at": now}
+                   for name, attempt in due.items()})
+    context.update_cursor(json.dumps(cursor, sort_keys=True) if cursor else None)
+    new_set = set(new)
+    known = {_ledger_key(name) for name in due} - new_set
+    known_keys = [k for k in instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) if k in known]
+    if not new and not known_keys:
+        if waiting:
+            return SkipReason(f"the buffer run for {len(waiting)} closed ledger(s) failed; asking again after a backoff")
+        return SkipReason("no newly closed ledger in the `ledgers` catalog, and the buffer state holds "
+                          "(or a requested run is computing) every closed one")
+    tags = {REQUEST_TAG: request}
     runs = []
     if new:
-        runs.append(RunRequest(run_key=f"ledgers-{new[0]}-{new[-1]}", tags=range_tags(new[0], new[-1])))
-    if changed:
-        # These keys were added together (a log's first ledgers), so their range holds only them.
-        counts = json.dumps({name: behind[name] for name in sorted(behind)
-                             if ledger_partition_key(int(name.rsplit("/", 1)[1])) in changed})
-        digest = hashlib.sha1(counts.encode()).hexdigest()[:12]
-        runs.append(RunRequest(run_key=f"grown-{changed[0]}-{changed[-1]}-{digest}", tags=range_tags(changed[0], changed[-1])))
+        runs.append(RunRequest(run_key=f"ledgers-{new[0]}-{new[-1]}-{request}", tags={**tags, **range_tags(new[0], new[-1])}))
+    if known_keys:
+        # Partitions already: a log's first ledgers (added together while OPEN) or retried ones.
+        runs.append(RunRequest(run_key=f"behind-{known_keys[0]}-{known_keys[-1]}-{request}",
+                               tags={**tags, **range_tags(known_keys[0], known_keys[-1])}))
     return SensorResult(run_requests=runs, dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [])

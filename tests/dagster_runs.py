@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import weakref
 
 from dagster import AssetSelection, DagsterInstance, SensorResult, build_sensor_context, materialize
@@ -38,3 +39,9 @@ def sensor_tick(instance, resources):
         for request in result.dynamic_partitions_requests:
             instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result
+
+
+def backdate_sensor_requests(instance, seconds: float) -> None:
+    """As if `seconds` had passed since the ledgers_closed_sensor's requests (its cursor's times)."""
+    cursor = json.loads(_CURSORS[instance])
+    _CURSORS[instance] = json.dumps({name: {**last, "at": last["at"] - seconds} for name, last in cursor.items()})

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from delta.tables import DeltaTable
-from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, materialize
+from dagster import AssetKey, AssetSelection, DagsterInstance, PartitionKeyRange, SensorResult, materialize
 
-from pipelines.buffer_sensors import range_tags
+from pipelines.buffer_sensors import REQUEST_TAG, range_tags, retry_after_s
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from pipelines.partitions import LEDGER_PARTITIONS
-from tests.dagster_runs import derive_all, sensor_tick
+from resources.warehouse import WarehouseResource
+from tests.dagster_runs import backdate_sensor_requests, derive_all, sensor_tick
 from tests.rows import entry, write_jsonl
 from txn_engine.buffer_jobs import compute_buffer_tables
 from txn_engine.ingest import ingest_files
@@ -107,7 +108,7 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     later = [entry("seed", 10, 8, txn=(0, 4)), entry("seed", 10, 9, producer=8, seq=1),
              entry("other", 14, 0, "COMMIT", txn=(1, 2)), entry("other", 14, 1, txn=(1, 1))]
     request, run = tick_and_run(later, "b.jsonl")
-    assert request.tags == range_tags(ledger_partition_key(12), ledger_partition_key(12))
+    assert request.partition_key_range == PartitionKeyRange(ledger_partition_key(12), ledger_partition_key(12))
     assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(i) for i in (11, 12)]
     meta = metadata(run, STABLE_POSITIONS)
     # Ledger 12 (closed now), the OPEN ledger 10 that grew and the new OPEN ledger 14; 11 is not reread.
@@ -136,9 +137,30 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     grown = [entry("seed", 10, 10, txn=(0, 9)), entry("seed", 10, 11, "COMMIT", txn=(0, 9)), entry("seed", 15, 0),
              entry("other", 14, 2, producer=6, seq=1), entry("other", 16, 0, producer=6, seq=2)]
     request, run = tick_and_run(grown, "c.jsonl", then_tick=True)
-    assert request.tags == range_tags(*open_keys) and request.run_key.startswith("grown-")
+    assert request.partition_key_range == PartitionKeyRange(*open_keys)
+    assert request.run_key.startswith("behind-")
     meta = metadata(run, STABLE_POSITIONS)
     assert (meta["mode"], meta["ledgers_recomputed"]) == ("incremental", 4)  # 10 and 14 closed, 15 and 16 OPEN
+    assert_equal_to_a_full_recompute(warehouse)
+    assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)
+
+    # The run the sensor asks for fails (here: a warehouse root that is a file): the sensor asks
+    # again once its backoff has passed, not before, and that run catches up.
+    closing = [entry("other", 16, 1, producer=6, seq=3), entry("other", 17, 0, producer=6, seq=4)]
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "d.jsonl", closing))])
+    assert materialize(assets, selection=AssetSelection.assets(LEDGERS), resources=dagster_resources, instance=instance).success
+    [request] = sensor_tick(instance, dagster_resources).run_requests  # ledger 16 closed, one entry longer
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("")
+    failed = materialize(assets, selection=buffer, instance=instance, tags=request.tags, raise_on_error=False,
+                         resources={**dagster_resources, "warehouse": WarehouseResource(root=str(not_a_folder))})
+    assert not failed.success
+    assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)  # within the backoff
+    backdate_sensor_requests(instance, retry_after_s(0))
+    [retry] = sensor_tick(instance, dagster_resources).run_requests
+    assert retry.run_key.startswith("behind-") and retry.tags[REQUEST_TAG] != request.tags[REQUEST_TAG]
+    assert retry.partition_key_range == PartitionKeyRange(ledger_partition_key(16), ledger_partition_key(16))
+    assert materialize(assets, selection=buffer, resources=dagster_resources, instance=instance, tags=retry.tags).success
     assert_equal_to_a_full_recompute(warehouse)
     assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)
 
