@@ -170,12 +170,10 @@ def delta_version_on_disk(table_path: str) -> int | None:
 
 @sensor(job=snapshot_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED,
         description="Runs take_snapshots when ledger_entries has new commits (the job applies the triggers).")
-def snapshot_trigger_sensor(context: SensorEvaluationContext):
-    # The warehouse resource configured in the one Definitions (imported here, as that module
-    # imports this one), so the sensor watches the warehouse the runs write.
-    from pipelines.definitions import RESOURCES
-
-    settings = RESOURCES["warehouse"].settings()
+def snapshot_trigger_sensor(context: SensorEvaluationContext, warehouse: WarehouseResource):
+    # The warehouse resource the Definitions configure, as the runs get it: the sensor watches the warehouse
+    # the runs write. Read from the log's file names: a tick starts no JVM.
+    settings = warehouse.settings()
     if not settings.is_local():
         return SkipReason("the warehouse is not local; snapshot_schedule drives snapshots there")
     version = delta_version_on_disk(settings.table_path(LEDGER_ENTRIES))

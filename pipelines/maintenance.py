@@ -8,6 +8,9 @@ table of the Definitions (and the engine's, which VACUUM themselves after compac
 with delta-rs, no Spark: the files removed longer ago than the table's
 `delta.deletedFileRetentionDuration` (Delta's default, 7 days: readers of older versions and time
 travel need them until then) are deleted. Each asset gets an observation with what was deleted.
+A warehouse holding none of the tables fails the run: a mistyped root would otherwise "succeed"
+every night having vacuumed nothing; a warehouse with only some of them is normal (the rest are
+made by runs not done yet).
 
 (No `from __future__ import annotations`: Dagster resolves the nested op's annotations at definition.)
 """
@@ -28,6 +31,8 @@ from dagster import (
 
 from resources.warehouse import WarehouseResource
 from txn_engine.delta_io import DeltaTables
+from txn_engine.errors import TableMissingError
+from txn_engine.settings import WarehouseSettings
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY, vacuum_table
 from txn_engine.warehouse import Warehouse
 
@@ -40,11 +45,13 @@ def table_maintenance(tables: Sequence[str], asset_tables: set[str]) -> tuple[Jo
 
     @op(name="vacuum_tables", description="VACUUM every table, each with its own file retention (delta-rs).")
     def vacuum_tables(context: OpExecutionContext, warehouse: WarehouseResource) -> None:
-        delta = DeltaTables(Warehouse(None, warehouse.settings()))  # delta-rs only: no JVM for this job
+        settings = warehouse.settings()
+        delta = DeltaTables(Warehouse(None, settings))  # delta-rs only: no JVM for this job
+        present = [table for table in tables if delta.exists(table)]
+        if not present:
+            raise no_tables_error(settings, len(tables))
         total = 0
-        for table in tables:
-            if not delta.exists(table):
-                continue
+        for table in present:
             done = vacuum_table(delta, table)
             retention = delta.properties(table).get(FILE_RETENTION_PROPERTY, DELTA_DEFAULT_FILE_RETENTION)
             total += done.files_deleted
@@ -67,3 +74,18 @@ def table_maintenance(tables: Sequence[str], asset_tables: set[str]) -> tuple[Jo
         description="Daily at 04:30 (after retention at 03:00): VACUUM every table.",
     )
     return maintenance_job, schedule
+
+
+def no_tables_error(settings: WarehouseSettings, maintained: int) -> TableMissingError:
+    """The error for a warehouse holding none of the maintained tables: most likely a mistyped root."""
+    root = settings.root
+    if settings.root_missing():
+        where = f"the warehouse root {root} does not exist"
+    else:
+        where = (f"the warehouse root {root} (offload tier {settings.cold_root()}) holds none of the {maintained} "
+                 "tables table maintenance VACUUMs")
+    return TableMissingError(
+        f"{where}: nothing to VACUUM. Check that the "
+        "warehouse resource's root (resources.warehouse.config.root, default TXNLAKE_WAREHOUSE) is the one the "
+        "other jobs write; on a new warehouse, ingest ledgers first (`txnlake ingest FILE`)."
+    )

@@ -6,6 +6,7 @@ import os
 import time
 
 import pyarrow as pa
+import pytest
 from dagster import DagsterInstance, DefaultScheduleStatus
 from deltalake import DeltaTable, write_deltalake
 
@@ -13,6 +14,7 @@ from pipelines.definitions import MAINTAINED_TABLES, defs, maintenance_job
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_incremental import STATE_TABLES
 from txn_engine.engine import ENGINE_TABLES
+from txn_engine.errors import TableMissingError
 from txn_engine.schema import BUFFER_DUPLICATES, COMMITTED_ENTRIES, OFFLOADED_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 
@@ -62,3 +64,17 @@ def test_table_maintenance_is_scheduled_and_covers_every_table():
     schedule = defs.resolve_schedule_def("table_maintenance_schedule")
     assert schedule.job_name == "table_maintenance" and schedule.default_status == DefaultScheduleStatus.RUNNING
     assert set(STATE_TABLES) | set(ENGINE_TABLES) | {COMMITTED_ENTRIES, OFFLOADED_ENTRIES} <= set(MAINTAINED_TABLES)
+
+
+def test_table_maintenance_fails_on_a_warehouse_holding_none_of_the_tables(tmp_path):
+    # A mistyped root used to "succeed", vacuuming nothing, every night.
+    typo = tmp_path / "no" / "such" / "warehouse"
+    with pytest.raises(TableMissingError, match=f"the warehouse root {typo} does not exist: nothing to VACUUM.*root"):
+        maintenance_job.execute_in_process(resources={"warehouse": WarehouseResource(root=str(typo))},
+                                           instance=DagsterInstance.ephemeral())
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TableMissingError, match=f"the warehouse root {empty} .* holds none of the {len(MAINTAINED_TABLES)} tables"):
+        maintenance_job.execute_in_process(resources={"warehouse": WarehouseResource(root=str(empty))},
+                                           instance=DagsterInstance.ephemeral())
+    assert not typo.exists()  # nothing made under the wrong root

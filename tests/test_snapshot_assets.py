@@ -13,6 +13,7 @@ from assets.snapshots import snapshot_schedule, snapshot_trigger_sensor
 from pipelines.buffer_sensors import range_tags
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, defs
 from pipelines.partitions import LEDGER_PARTITIONS
+from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
 from tests.test_buffer_jobs import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
@@ -104,18 +105,23 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     assert set(check.metadata["mismatched_topics"].value) == {"busy", "plain"}
 
 
-def test_sensor_fires_on_new_ledger_entries_and_schedule_runs_the_job(warehouse):
+def test_sensor_fires_on_new_ledger_entries_and_schedule_runs_the_job(warehouse, warehouse_root, tmp_path, monkeypatch):
     assert defs.resolve_sensor_def("snapshot_trigger_sensor").job_name == "take_snapshots"
     assert defs.resolve_schedule_def("snapshot_schedule").job_name == "take_snapshots"
+    # The sensor watches its warehouse resource's root, not the environment's (which names another).
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", str(tmp_path / "elsewhere"))
+    resources = {"warehouse": WarehouseResource(root=str(warehouse_root))}
+
+    def tick(cursor=None):
+        context = build_sensor_context(instance=instance, resources=resources, cursor=cursor)
+        return context, snapshot_trigger_sensor(context)
+
     with DagsterInstance.ephemeral() as instance:
-        assert isinstance(snapshot_trigger_sensor(build_sensor_context(instance=instance)), SkipReason)
+        assert isinstance(tick()[1], SkipReason)
         warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, aborted_history("t", 1)))
-        context = build_sensor_context(instance=instance)
-        request = snapshot_trigger_sensor(context)
+        context, request = tick()
         assert isinstance(request, RunRequest) and request.run_key == "ledger_entries-v0"
-        assert isinstance(snapshot_trigger_sensor(build_sensor_context(instance=instance, cursor=context.cursor)),
-                          SkipReason)
+        assert isinstance(tick(context.cursor)[1], SkipReason)
         warehouse.append(LEDGER_ENTRIES, frame(warehouse.spark, [LogEntry("t", 200, 0, "DATA")]))
-        assert snapshot_trigger_sensor(build_sensor_context(instance=instance, cursor=context.cursor)).run_key == \
-            "ledger_entries-v1"
+        assert tick(context.cursor)[1].run_key == "ledger_entries-v1"
     assert isinstance(snapshot_schedule(build_schedule_context()), RunRequest)

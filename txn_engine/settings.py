@@ -113,6 +113,10 @@ class WarehouseSettings(BaseSettings):
     def is_local(self) -> bool:
         return is_local_uri(self.warehouse)
 
+    def root_missing(self) -> bool:
+        """True when the root is a local folder that does not exist: nothing was ever written there."""
+        return self.is_local() and not Path(_local_path(self.warehouse)).expanduser().exists()
+
 
 def _join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
