@@ -22,7 +22,7 @@ $(INSTALLED): pyproject.toml
 
 $(DAGSTER_HOME)/dagster.yaml:
 	@mkdir -p $(DAGSTER_HOME)
-	@printf 'telemetry:\n  enabled: false\n' > $@
+	@printf 'telemetry:\n  enabled: false\nconcurrency:\n  pools:\n    granularity: run\n    default_limit: 1\n' > $@
 
 ## run: generate and ingest a small demo log into an empty warehouse (plus a workload through the
 ## engine), derive every table, take the transaction-buffer snapshots and offload eligible ledgers.

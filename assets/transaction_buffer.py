@@ -6,14 +6,22 @@ One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four 
 whatever the catalog shows changed (the OPEN ledgers that grew, ledgers deleted by retention),
 so the tables always describe everything in `ledger_entries`. A run over every partition is a
 full recompute. Backfills run as one run per range (`BackfillPolicy.single_run`). The run
-reports the protocol violations found in the ledgers it recomputed. Asset checks guard the
-invariants.
+reports the protocol violations found in the ledgers it recomputed, and records as materialized
+every known partition it recomputed beyond its range (the changed ledgers; every ledger in a full
+run). Asset checks guard the invariants.
+
+One buffer run at a time: `refresh_buffer` holds the warehouse's buffer lock for the whole run,
+and the assets share the Dagster pool `transaction_buffer` (limited to 1 by the instance config
+`txnlake` writes, `pipelines.cli.DAGSTER_YAML`), so the daemon queues a second run instead of
+launching it to wait on the lock.
 """
 
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetKey,
+    AssetMaterialization,
     AssetSpec,
     BackfillPolicy,
     MaterializeResult,
@@ -28,9 +36,9 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_checks import committed_once, markers_match, stable_moves_back
-from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+from txn_engine.buffer_incremental import refresh_buffer
 from txn_engine.delta_io import DeltaTables
-from txn_engine.positions import ledger_id_of_partition
+from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
@@ -42,6 +50,8 @@ from txn_engine.schema import (
 )
 
 GROUP = "transaction_buffer"
+# The Dagster pool of the buffer's runs: one at a time (they would wait on the buffer lock anyway).
+POOL = "transaction_buffer"
 
 DESCRIPTIONS = {
     TXN_MARKERS: "The first COMMIT/ABORT marker of each transaction on each topic.",
@@ -56,6 +66,7 @@ DESCRIPTIONS = {
     specs=[AssetSpec(t, group_name=GROUP, deps=[LEDGER_ENTRIES, LEDGERS], description=d) for t, d in DESCRIPTIONS.items()],
     partitions_def=LEDGER_PARTITIONS,
     backfill_policy=BackfillPolicy.single_run(),
+    pool=POOL,
 )
 def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
     # Started only if the run needs Spark: an incremental run small enough for the driver does not.
@@ -65,9 +76,8 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
     # ledger order across topics), so the ledgers computed are the partitions marked materialized.
     in_range = context.partition_keys
     every_partition = bool(keys) and set(in_range) == set(keys)
-    refresh = refresh_buffer(
-        wh, ledger_inventory(wh), ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition
-    )
+    # The catalog is read once the run holds the buffer lock (a run may wait for another).
+    refresh = refresh_buffer(wh, ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition)
     context.log.info(f"transaction buffer: {refresh.summary()}; protocol violations there: {refresh.violations}")
     ongoing = DeltaTables(wh).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["ongoing_txn_count"])["ongoing_txn_count"]
     extra = {
@@ -82,6 +92,31 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
     }
     for table in DESCRIPTIONS:
         yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
+    # After the run's own materializations (those of its range), which carry the tables' metadata.
+    _record_partitions_beyond_range(context, refresh, keys, in_range)
+
+
+def _record_partitions_beyond_range(context: AssetExecutionContext, refresh, keys: list[str], in_range: list[str]) -> None:
+    """Mark materialized the known partitions the run recomputed outside its range.
+
+    A run recomputes more than it is asked (`plan_scope`): every ledger when it is a full run (the
+    first run on a warehouse, whatever its range), the ledgers the catalog shows changed otherwise.
+    Their tables are rewritten either way; without these events Dagster would show those
+    partitions as never (or earlier) materialized.
+    """
+    beyond = sorted(set(map(ledger_partition_key, refresh.ledgers)) & set(keys) - set(in_range))
+    if not beyond:
+        return
+    run_range = in_range[0] if len(in_range) == 1 else f"{in_range[0]}...{in_range[-1]}"
+    reason = ("full run: every ledger recomputed" if refresh.full
+              else "changed: the ledgers catalog differs from what the buffer state held")
+    for key in beyond:
+        for table in DESCRIPTIONS:
+            context.log_event(AssetMaterialization(
+                asset_key=AssetKey(table), partition=key,
+                metadata={"recomputed_by_run_range": run_range, "reason": reason},
+            ))
+    context.log.info(f"also recomputed, outside the range {run_range} ({reason}): {beyond}")
 
 
 @asset_check(asset=STABLE_POSITIONS, description="The stable position of a topic never moves backwards.")

@@ -28,8 +28,12 @@ def non_negative(kind: type = int):
     return parse
 
 
-# What `make` writes to DAGSTER_HOME/dagster.yaml (the Makefile's rule): no telemetry.
-DAGSTER_YAML = "telemetry:\n  enabled: false\n"
+# What `make` writes to DAGSTER_HOME/dagster.yaml (the Makefile's rule): no telemetry; pools of
+# one run at a time (the transaction buffer's, `assets.transaction_buffer.POOL`: the daemon queues
+# a second buffer run rather than launch it to wait on the buffer lock). Per run, not per step: a
+# step's slot is held in the instance and a killed process would leave it taken.
+DAGSTER_YAML = ("telemetry:\n  enabled: false\n"
+                "concurrency:\n  pools:\n    granularity: run\n    default_limit: 1\n")
 
 
 def _instance():

@@ -3,8 +3,11 @@
 Executor: in-process. Every step of a run shares the run's one SparkSession (one JVM per run),
 instead of the multiprocess executor's JVM per step, which costs several seconds each and
 multiplies memory. A run launched from the UI gets its own process (the default run launcher),
-so runs stay isolated from the webserver and from each other; concurrent runs writing one table
-are serialized by the per-table writer locks.
+so runs stay isolated from the webserver and from each other. The per-table writer locks keep
+each commit of concurrent runs whole, not a run that writes several tables: a transaction-buffer
+run (eight tables from one read of its state) holds the warehouse's buffer lock from start to
+end, and its assets share the Dagster pool `transaction_buffer` (one run at a time under the
+instance config `txnlake` writes), so the daemon queues a second one.
 """
 
 from __future__ import annotations

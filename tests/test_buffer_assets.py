@@ -36,6 +36,9 @@ HISTORY = [
 ]
 
 
+BUFFER = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)
+
+
 def check_results(result):
     return {e.check_name: e for e in result.get_asset_check_evaluations()}
 
@@ -78,7 +81,21 @@ def test_stable_position_check_catches_a_step_backwards(warehouse, dagster_resou
     spark.createDataFrame([("seed", 99, 0, 99, 0, 0)], "topic string, max_read_ledger_id long, "
                           "max_read_entry_id long, last_ledger_id long, last_entry_id long, ongoing_txn_count long") \
         .write.format("delta").save(warehouse.path(STABLE_POSITIONS))
-    _, result = derive_all(dagster_resources)
+    # One partition of three, on a warehouse without buffer state: a full run, which rewrites every
+    # ledger's rows; Dagster records the other two partitions as materialized by it too.
+    instance = DagsterInstance.ephemeral()
+    keys = [ledger_partition_key(i) for i in (10, 11, 12)]
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
+    result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER, resources=dagster_resources, instance=instance,
+                         partition_key=keys[1])
+    assert metadata(result, STABLE_POSITIONS)["mode"] == "full"
+    for table in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES):
+        assert instance.get_materialized_partitions(AssetKey(table)) == set(keys)
+    beyond = {m.partition: {k: v.value for k, v in m.metadata.items()} for m in (
+        e.event_specific_data.materialization for e in result.get_asset_materialization_events())
+        if m.asset_key == AssetKey(STABLE_POSITIONS) and m.partition != keys[1]}
+    reason = {"recomputed_by_run_range": keys[1], "reason": "full run: every ledger recomputed"}
+    assert beyond == {keys[0]: reason, keys[2]: reason}
     checks = check_results(result)
     assert not checks["stable_position_never_moves_backwards"].passed
     assert "seed" in str(checks["stable_position_never_moves_backwards"].metadata["topics_moved_back"].value)
@@ -87,7 +104,7 @@ def test_stable_position_check_catches_a_step_backwards(warehouse, dagster_resou
 def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(warehouse, dagster_resources, tmp_path):
     instance = DagsterInstance.ephemeral()
     assets = [*ALL_ASSETS, *ALL_CHECKS]
-    buffer = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)
+    buffer = BUFFER
 
     def tick_and_run(rows, name, then_tick=False):
         ingest_files(warehouse, [str(write_jsonl(tmp_path / name, rows))])

@@ -7,6 +7,7 @@ full recompute, also after retention deletes a ledger and after a crash between 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -28,9 +29,10 @@ from tests.test_buffer_jobs import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer, spark_jobs_beside
+from txn_engine.buffer_incremental import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer, spark_jobs_beside
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
+from txn_engine.locks import TableLockTimeout
 from txn_engine.retention import delete_ledger_rows
 from txn_engine.sql_models import discover_models, run_model
 from txn_engine.schema import (
@@ -322,17 +324,24 @@ class Crash(Exception):
     pass
 
 
+FIRST = [e(1, 0, txn=T1), e(1, 1), e(1, 2, txn=T2, producer=4, seq=0)]
+LATER = [e(2, 0, "COMMIT", T1), e(2, 1, txn=T2, producer=4, seq=0), e(2, 2, "COMMIT", T2), e(2, 3)]
+
+
+def refreshed_then_later(spark):
+    """A warehouse whose buffer holds FIRST, with LATER appended since (`prepared`'s builder)."""
+
+    def build(wh, _folder):
+        append(wh, spark, FIRST)
+        refresh(wh)
+        append(wh, spark, LATER)
+
+    return build
+
+
 @pytest.mark.parametrize("crash_after", [COMMITTED_ENTRIES, "buffer_sequence_ranges"])
 def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, crash_after):
-    first = [e(1, 0, txn=T1), e(1, 1), e(1, 2, txn=T2, producer=4, seq=0)]
-    later = [e(2, 0, "COMMIT", T1), e(2, 1, txn=T2, producer=4, seq=0), e(2, 2, "COMMIT", T2), e(2, 3)]
-
-    def refreshed_then_later(wh, _folder):
-        append(wh, spark, first)
-        refresh(wh)
-        append(wh, spark, later)
-
-    warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later)
+    warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later(spark))
 
     def crash(table: str) -> None:
         if table == crash_after:
@@ -340,9 +349,50 @@ def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, 
 
     with pytest.raises(Crash):
         refresh(warehouse, after_write=crash)
-    result = refresh(warehouse)
+    result = refresh(warehouse, lock_timeout_s=0.5)  # the crashed run let go of the buffer lock
     assert result.ledgers == [2]
-    assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(first + later).items()}
+    assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(FIRST + LATER).items()}
+
+
+def test_a_second_run_waits_for_the_first_and_both_end_as_a_full_recompute(spark, prepared):
+    """Run A pauses after its first write; new data arrives and run B starts. Without a lock over
+    the whole run B ran to the end in between, then A wrote a stable position from before B's data
+    (moved backwards, a committed row missing) and both succeeded. Threads of one process exclude
+    each other as processes do (a flock per open file)."""
+    warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later(spark))
+    more = [e(3, 0, txn=T3), e(3, 1, "COMMIT", T3), e(3, 2)]  # the stable position moves to (3, 2)
+    paused, resume, runs = threading.Event(), threading.Event(), {}
+
+    def pause_once(table: str) -> None:
+        if not paused.is_set():
+            paused.set()
+            assert resume.wait(120)
+
+    def run(name: str, **kwargs) -> None:
+        try:
+            runs[name] = refresh(warehouse, **kwargs)
+        except BaseException as error:  # noqa: BLE001 - reported by the assertions below
+            runs[name] = error
+
+    a = threading.Thread(target=run, args=("a",), kwargs={"after_write": pause_once})
+    a.start()
+    try:
+        assert paused.wait(120), runs
+        append(warehouse, spark, more)
+        # While A holds it, a run with a short timeout is refused, saying what holds it.
+        with pytest.raises(TableLockTimeout, match="the transaction buffer of this warehouse"):
+            with buffer_lock(warehouse, timeout_s=0.3):
+                pass
+        b = threading.Thread(target=run, args=("b",))
+        b.start()
+        b.join(0.5)
+        assert b.is_alive() and "b" not in runs  # waiting for A
+    finally:
+        resume.set()
+        a.join(120)
+    b.join(120)
+    assert [runs["a"].ledgers, runs["b"].ledgers] == [[2], [3]], runs
+    assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(FIRST + LATER + more).items()}
 
 
 def test_jobs_beside_a_failed_write_are_interrupted_not_waited_for(spark):

@@ -58,6 +58,10 @@ Write order, for crash safety: contract tables first (`stable_positions` after t
 record of what is done: a run stopped before it leaves the scope's ledgers looking unprocessed
 (or deleted ledgers still present), and the next run recomputes them. `after_write` is called
 after each table is written (tests inject crashes there).
+
+One run at a time: `refresh_buffer` holds the warehouse's buffer lock (`buffer_lock`) from
+reading the state to its last write; a second run waits for it (and then plans on what the first
+wrote). A crashed run's lock goes with its process (a flock).
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ from txn_engine.delta_io import (
     sql_string,
 )
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.locks import table_lock
 from txn_engine.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
@@ -316,6 +321,27 @@ def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) ->
 RUN_LEDGERS_KEY = "txnlake.buffer.ledgers"
 ALL_LEDGERS = "all"
 
+# One buffer run at a time per warehouse: a run reads the state, decides, and writes eight tables
+# one by one; the per-table writer locks keep each commit whole but not the run. Two runs
+# interleaved (A paused after a write while B ran to the end, then A finished) left
+# stable_positions moved backwards and a committed row missing, both runs reported a success.
+BUFFER_LOCK = "transaction_buffer"  # a lock file of its own beside the tables' (`WarehouseSettings.lock_path`)
+# Long enough to wait out another run, a full recompute of a big log included (~50 s at 10M entries).
+BUFFER_LOCK_TIMEOUT_S = 3600.0
+
+
+@contextmanager
+def buffer_lock(wh: Warehouse, timeout_s: float = BUFFER_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """Exclusive right to run the transaction buffer on this warehouse, across processes and threads.
+
+    Held by `refresh_buffer` for its whole run; nothing it calls takes it again (a flock is not
+    reentrant: it would wait for itself).
+    """
+    with table_lock(wh.settings.lock_path(BUFFER_LOCK), timeout_s,
+                    guarded="the transaction buffer of this warehouse (a buffer run: a Dagster run of its "
+                            "assets, `txnlake run`)"):
+        yield
+
 
 def recorded_version_key(table: str) -> str:
     """The commit-metadata key under which a buffer run records `table`'s version (`RECORDED_TABLES`)."""
@@ -452,23 +478,35 @@ def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, st
 
 def refresh_buffer(
     wh: Warehouse,
-    inventory: DataFrame | pa.Table,
+    inventory: DataFrame | pa.Table | None = None,
     ledgers: Iterable[int] = (),
     full: bool = False,
     after_write: Callable[[str], None] | None = None,
     driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
     broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
+    lock_timeout_s: float = BUFFER_LOCK_TIMEOUT_S,
 ) -> BufferRefresh:
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
     `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id, size_bytes)
     per ledger that `ledger_entries` holds (`ledger_inventory`: the `ledgers` table without its
-    DELETED rows, as Arrow; or a DataFrame). An incremental run over at most
+    DELETED rows, as Arrow; or a DataFrame). None: `ledger_inventory`, read once the run holds the
+    buffer lock, so a run that waited for another plans on the catalog as it is then (an inventory
+    read before the wait could miss ledgers the other run added to the state, which this run would
+    then take for deleted ones). The whole run holds the buffer lock (`buffer_lock`), from reading
+    the state to its last write. An incremental run over at most
     `driver_write_max_bytes` of entries is computed in Arrow and written through the driver
     (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`): with an Arrow inventory it starts no Spark job.
     Others run on Spark; there `broadcast_max_bytes` bounds the blocks broadcast to the full rows
     of `committed_entries` (`buffer_jobs.blocks_fit_broadcast`).
     """
+    with buffer_lock(wh, lock_timeout_s):
+        return _refresh_buffer(wh, ledger_inventory(wh) if inventory is None else inventory, ledgers, full, after_write,
+                               driver_write_max_bytes, broadcast_max_bytes)
+
+
+def _refresh_buffer(wh: Warehouse, inventory: DataFrame | pa.Table, ledgers: Iterable[int], full: bool, after_write,
+                    driver_write_max_bytes: int, broadcast_max_bytes: int) -> BufferRefresh:
     has_state = _has_state(wh)
     full = full or not has_state
     tables = DeltaTables(wh)

@@ -23,8 +23,12 @@ class TableLockTimeout(TxnlakeError):
 
 
 @contextmanager
-def table_lock(path: Path, timeout_s: float = 600.0) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created if missing) for the duration of the block."""
+def table_lock(path: Path, timeout_s: float = 600.0, guarded: str = "this table") -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing) for the duration of the block.
+
+    `guarded` names what the lock guards, for the timeout's message. Not reentrant: taking a lock
+    this process (this very thread included) already holds waits for the timeout.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -37,7 +41,7 @@ def table_lock(path: Path, timeout_s: float = 600.0) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     raise TableLockTimeout(
                         f"waited {timeout_s:.0f}s for the writer lock {path}; another txnlake "
-                        "process is writing this table. Let it finish, or stop it and retry."
+                        f"process is writing {guarded}. Let it finish, or stop it and retry."
                     ) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
