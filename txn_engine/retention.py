@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
 
+from txn_engine.buffer_incremental import buffer_lock
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
@@ -196,12 +197,16 @@ def apply_retention(
 
 def delete_ledger_rows(wh: Warehouse, ledgers: list[tuple[str, int]], through_driver: bool,
                        hook: Callable[[str], None] = lambda point: None) -> None:
-    """Steps 3 and 4 of the module doc: the ledgers' rows leave the derived hot tables, then `ledger_entries`."""
-    delete_ledgers(wh, COMMITTED_ENTRIES, ledgers, through_driver=through_driver)
-    delete_ledgers(wh, TXN_MARKERS, ledgers, through_driver=through_driver)
-    delete_ledgers(wh, ABORTED_TXNS, ledgers, "abort_ledger_id", through_driver=through_driver)
-    hook(AFTER_DERIVED)
-    delete_ledgers(wh, LEDGER_ENTRIES, ledgers, through_driver=through_driver)
+    """Steps 3 and 4 of the module doc: the ledgers' rows leave the derived hot tables, then `ledger_entries`.
+
+    Under the buffer's lock: a buffer run between reading the log and writing its tables would
+    otherwise write a deleted ledger's rows back."""
+    with buffer_lock(wh):
+        delete_ledgers(wh, COMMITTED_ENTRIES, ledgers, through_driver=through_driver)
+        delete_ledgers(wh, TXN_MARKERS, ledgers, through_driver=through_driver)
+        delete_ledgers(wh, ABORTED_TXNS, ledgers, "abort_ledger_id", through_driver=through_driver)
+        hook(AFTER_DERIVED)
+        delete_ledgers(wh, LEDGER_ENTRIES, ledgers, through_driver=through_driver)
 
 
 def _reclaim_disk(wh: Warehouse) -> int:
