@@ -4,10 +4,14 @@ and retention (`deleted_ledgers`: its own job and a daily schedule, never part o
 `offloaded_entries` and `offload_manifest` are one multi-asset partitioned by ledger
 (`LEDGER_PARTITIONS`). A run over one ledger or a backfill over a ledger range (one run, its
 `context.partition_keys`) offloads the eligible ones among them; a ledger that is not eligible
-yet (OPEN, or beyond its topic's stable position) is reported under `waiting` and left alone.
-Re-running a partition is harmless: an offloaded ledger is not copied again.
+yet (OPEN, or beyond its topic's stable position) is reported under `waiting` (metadata and
+log), left alone, and not recorded as materialized, so a later backfill of missing partitions
+picks it up. A run whose ledgers all wait fails, saying why each waits and what to do.
+Re-running a partition is harmless: an offloaded ledger is not copied again (it is recorded
+as materialized again).
 """
 
+import json
 from datetime import timedelta
 
 from dagster import (
@@ -16,14 +20,17 @@ from dagster import (
     DefaultScheduleStatus,
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetMaterialization,
     AssetObservation,
     AssetSelection,
     AssetSpec,
     BackfillPolicy,
+    DagsterRunStatus,
     DefaultSensorStatus,
     MaterializeResult,
     MetadataValue,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     SkipReason,
@@ -38,11 +45,12 @@ from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.metadata import table_metadata
-from pipelines.partitions import LEDGER_PARTITIONS
+from pipelines.buffer_sensors import range_tags
+from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, position_lt
-from txn_engine.offload import content_checksum, eligible_not_offloaded, offload_ledgers
+from txn_engine.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
 from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
 from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
 from txn_engine.schema import (
@@ -65,10 +73,11 @@ GROUP = "offload"
 
 @multi_asset(
     specs=[
-        AssetSpec(OFFLOADED_ENTRIES, group_name=GROUP, deps=[LEDGER_ENTRIES],
+        # skippable: a run records only the partitions it offloaded or found offloaded (below).
+        AssetSpec(OFFLOADED_ENTRIES, group_name=GROUP, deps=[LEDGER_ENTRIES], skippable=True,
                   description="The filtered offload tier (cold tier location): only DATA entries that are "
                   "non-transactional or committed, of offloaded ledgers, at their original positions."),
-        AssetSpec(OFFLOAD_MANIFEST, group_name=GROUP, deps=[LEDGER_ENTRIES],
+        AssetSpec(OFFLOAD_MANIFEST, group_name=GROUP, deps=[LEDGER_ENTRIES], skippable=True,
                   description="One row per offloaded ledger: entries kept and dropped by reason, bytes before and "
                   "after, the stable position at offload time, a content checksum, the tier location."),
     ],
@@ -81,9 +90,18 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
     result = offload_ledgers(wh, ledger_ids)
     savings = result.savings()
     waiting = {f"{t}/{l}": reason for (t, l), reason in sorted(result.waiting.items())}
+    # The partitions the tier now holds: offloaded by this run, or before.
+    done = {ledger_partition_key(l) for _, l in [*result.offloaded, *result.already_offloaded]}
+    named = {ledger_partition_key(l) for _, l in [*result.offloaded, *result.already_offloaded, *result.waiting]}
+    waiting.update({k: "not in the `ledgers` catalog" for k in context.partition_keys if k not in named})
+    not_done = [k for k in context.partition_keys if k not in done]
     if waiting:
-        context.log.warning(f"not eligible yet, left in the hot tier: {waiting}")
+        context.log.warning(f"not eligible yet, left in the hot tier and not recorded as materialized: {waiting}")
     context.log.info(f"offloaded {result.offloaded}: {savings}")
+    if not_done and not done:
+        # Asked for waiting ledgers only (e.g. one partition from the UI): a success would record
+        # them as materialized, and "backfill missing partitions" would skip them afterwards.
+        raise OffloadWaitingError(waiting)
     extra = {
         "ledgers_requested": len(ledger_ids),
         "facts_from": result.facts_from,
@@ -102,7 +120,17 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
         **savings,
     }
     for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST):
-        yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
+        metadata = table_metadata(wh, table, **extra)
+        if not not_done:
+            yield MaterializeResult(asset_key=table, metadata=metadata)
+        else:
+            # An output materializes every partition of the run (dagster 1.13 has no per-partition
+            # MaterializeResult), so a range with waiting ledgers records the others one by one and
+            # skips the outputs (skippable specs). The checks, which follow the outputs, are then
+            # skipped too: they run in the next run that holds no waiting ledger.
+            for key in context.partition_keys:
+                if key in done:
+                    yield AssetMaterialization(asset_key=table, partition=key, metadata=metadata)
 
 
 OFFLOAD_SELECTION = AssetSelection.assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
@@ -114,21 +142,48 @@ offload_job = define_asset_job(
 )
 
 
+# Runs of the offload job that are still to finish: while one is, the sensor requests nothing.
+UNFINISHED = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+
+
+def offload_run_request(keys: list[str], order: list[str], cursor: dict) -> tuple[RunRequest, dict]:
+    """The run over the first contiguous span (in partition `order`) of the eligible `keys`, and
+    the cursor after it.
+
+    One run at a time: each is a JVM (an 8g driver) and a writer of the same Delta tables, so
+    runs side by side would compete for the cores and conflict on the commits. A span, not the
+    range covering every eligible key: a range holding a waiting ledger records only the others
+    and skips the checks (see `offload_tier`); the next span is asked for on a later tick.
+    The run key holds an attempt count: Dagster launches a run key once, so when the same span is
+    still to offload after its run finished (it failed), the next attempt needs a new key.
+    """
+    first, last = partition_spans(order, set(keys), contiguous=True)[0]
+    attempt = cursor["attempt"] + 1 if cursor.get("span") == [first, last] else 1
+    request = RunRequest(run_key=f"offload-{first}-{last}-attempt-{attempt}", tags=range_tags(first, last))
+    return request, {"span": [first, last], "attempt": attempt}
+
+
 @sensor(job=offload_job, minimum_interval_seconds=60, default_status=DefaultSensorStatus.STOPPED,
-        description="Offloads ledgers that became eligible: CLOSED and at or below their topic's stable position.")
+        description="Offloads ledgers that became eligible (CLOSED and at or below their topic's stable position): "
+                    "one run at a time, over a span of them; a failed run is retried on a later tick.")
 def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
     # Read by delta-rs (`eligible_not_offloaded`): a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
     if not wh.exists(STABLE_POSITIONS):
         return SkipReason(f"no {STABLE_POSITIONS} yet: materialize the transaction buffer first")
-    keys = [ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)]
+    running = context.instance.get_run_records(RunsFilter(job_name=offload_job.name, statuses=UNFINISHED), limit=1)
+    if running:
+        return SkipReason(f"offload run {running[0].dagster_run.run_id} is still to finish")
+    keys = sorted({ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)})
     if not keys:
         return SkipReason("no ledger is newly eligible for offload")
-    known = set(context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    new = sorted(set(keys) - known)
+    known = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    new = [k for k in keys if k not in set(known)]
+    request, cursor = offload_run_request(keys, [*known, *new], json.loads(context.cursor) if context.cursor else {})
+    context.update_cursor(json.dumps(cursor))
     return SensorResult(
-        # run_key: Dagster starts each ledger's offload once, however often the sensor sees it.
-        run_requests=[RunRequest(partition_key=k, run_key=f"offload-{k}") for k in sorted(set(keys))],
+        run_requests=[request],
         dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [],
     )
 

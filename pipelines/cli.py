@@ -384,31 +384,14 @@ def _catalog_ledgers(wh, ledger_ids: list[int]):
     return [by_id[i] for i in sorted(set(ledger_ids))]
 
 
-def _partition_spans(order: list[str], keys: set[str], contiguous: bool) -> list[tuple[str, str]]:
-    """(first, last) partition ranges over `keys`, in the instance's partition order: one span
-    from the first to the last, or (contiguous) one per run of consecutive keys, so that no
-    other ledger is in a range."""
-    spans: list[tuple[str, str]] = []
-    previous = None
-    for position, key in enumerate(order):
-        if key not in keys:
-            continue
-        if spans and (not contiguous or previous == position - 1):
-            spans[-1] = (spans[-1][0], key)
-        else:
-            spans.append((key, key))
-        previous = position
-    return spans
-
-
 def cmd_offload(args: argparse.Namespace) -> int:
     from dagster import AssetKey, AssetSelection
 
     from assets.offload import OFFLOAD_SELECTION
     from pipelines.buffer_sensors import range_tags
-    from pipelines.partitions import LEDGER_PARTITIONS
+    from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
     from txn_engine.errors import TableMissingError
-    from txn_engine.offload import OffloadResult, eligible_not_offloaded
+    from txn_engine.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
     from txn_engine.positions import ledger_partition_key
     from txn_engine.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
@@ -434,11 +417,16 @@ def cmd_offload(args: argparse.Namespace) -> int:
     if missing:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, missing)
     # One run per range of ledger partitions; without LEDGER_IDs one range over every eligible
-    # ledger (those between that are not are reported waiting; re-running one is harmless).
-    spans = _partition_spans(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name), keys, contiguous=bool(args.ledgers))
-    runs = [_materialize(OFFLOAD_SELECTION, instance=instance, partition_key=first) if first == last
-            else _materialize(OFFLOAD_SELECTION, instance=instance, tags=range_tags(first, last))
-            for first, last in spans]
+    # ledger (those between that are not are reported waiting, and not recorded as materialized;
+    # re-running one is harmless).
+    spans = partition_spans(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name), keys, contiguous=bool(args.ledgers))
+    runs = []
+    for first, last in spans:
+        try:
+            runs.append(_materialize(OFFLOAD_SELECTION, instance=instance, partition_key=first) if first == last
+                        else _materialize(OFFLOAD_SELECTION, instance=instance, tags=range_tags(first, last)))
+        except OffloadWaitingError as exc:  # every ledger of the range waits: its run failed, recording nothing
+            waiting.update(exc.waiting)
 
     timing = OffloadResult()
     metas = []
@@ -466,12 +454,14 @@ def cmd_offload(args: argparse.Namespace) -> int:
     else:
         print("no ledger to offload" + ("" if args.ledgers else
               ": none is CLOSED, at or below its topic's stable position and not offloaded yet"))
+    # The tier's checks follow the offload outputs: no run evaluated them when there was none, or
+    # when each held a waiting ledger (its outputs skipped, see assets.offload.offload_tier).
+    if not any(run.get_asset_check_evaluations() for run in runs) and wh.exists(OFFLOAD_MANIFEST):
+        runs.append(_materialize(AssetSelection.checks_for_assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST), instance=instance))
     if offloaded or recovered or any(m["recovered"]["states_recorded"] for m in metas):
         # What the offload changed: the catalog's states (OFFLOADED), and the models over it and the tier.
         refreshed = [LEDGERS, "ledger_sizes", *(["tier_sizes"] if wh.exists(OFFLOAD_MANIFEST) else [])]
         runs.append(_materialize(AssetSelection.assets(*map(AssetKey, refreshed)), instance=instance))
-    elif not runs and wh.exists(OFFLOAD_MANIFEST):
-        runs.append(_materialize(AssetSelection.checks_for_assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST), instance=instance))
     _print_materializations(*runs)
     # A check evaluated in several runs: failed when any run failed it.
     checks: dict[str, bool] = {}

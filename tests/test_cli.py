@@ -151,3 +151,14 @@ def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_
     stable = DeltaTables(warehouse).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()
     assert sorted((r["topic"], r["max_read_ledger_id"], r["max_read_entry_id"], r["ongoing_txn_count"]) for r in stable) == [
         ("a", 1, 0, 1), ("b", 2, 0, 0)]
+
+    # Ledger 1 closes with its transaction still ongoing: `offload 1` runs its partition, which
+    # waits; the run fails rather than record it materialized, and the CLI says why it waits.
+    from dagster import AssetKey, DagsterInstance
+    from txn_engine.schema import OFFLOADED_ENTRIES
+    assert main(["ingest", str(write_jsonl(tmp_path / "more.jsonl", [entry("a", 3, 0)]))]) == 0
+    capsys.readouterr()
+    assert main(["offload", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "  waiting   a/1: last entry is beyond the stable position" in out and "no ledger to offload" in out
+    assert not DagsterInstance.get().get_materialized_partitions(AssetKey(OFFLOADED_ENTRIES))

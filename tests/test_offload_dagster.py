@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dagster import AssetKey, AssetSelection, DagsterInstance, SensorResult, SkipReason, build_sensor_context, materialize
+import uuid
+
+from dagster import (AssetKey, AssetSelection, DagsterInstance, DagsterRun, DagsterRunStatus, SensorResult, SkipReason,
+                     build_sensor_context, materialize)
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.offload import OFFLOAD_CHECKS, offload_eligible_ledgers, offload_tier
@@ -16,7 +19,7 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
 from tests.rows import entry, write_jsonl
 from txn_engine.ingest import ingest_files
-from txn_engine.offload import offload_candidates
+from txn_engine.offload import OffloadWaitingError, offload_candidates
 from txn_engine.positions import ledger_partition_key as key
 from txn_engine.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
@@ -28,7 +31,8 @@ def offload_run(resources, instance, **kwargs):
 
 
 def metadata(result, table):
-    # A range run reports one materialization per partition, all with the run's metadata.
+    # A range run reports one materialization per partition it offloaded (or found offloaded), all
+    # with the run's metadata.
     mat = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
            if e.event_specific_data.materialization.asset_key == AssetKey(table)][0]
     return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
@@ -42,17 +46,19 @@ def tier(warehouse):
     return sorted((r.topic, r.ledger_id, r.entry_id) for r in warehouse.read(OFFLOADED_ENTRIES).collect())
 
 
-# The sensor evaluated in a fresh process: the partitions it asks for, and whether a JVM started.
+# The sensor evaluated in a fresh process: the partition ranges it asks for, and whether a JVM started.
 SENSOR_IN_FRESH_PROCESS = """
 import json, sys
 from dagster import DagsterInstance, build_sensor_context
+from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 from pyspark import SparkContext
 from assets.offload import offload_eligible_ledgers
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 resources = {"spark": SparkResource(conf={"spark.driver.memory": "1g"}), "warehouse": WarehouseResource(root=sys.argv[1])}
 result = offload_eligible_ledgers(build_sensor_context(instance=DagsterInstance.ephemeral(), resources=resources))
-print(json.dumps({"keys": [r.partition_key for r in getattr(result, "run_requests", [])],
+print(json.dumps({"spans": [[r.tags[ASSET_PARTITION_RANGE_START_TAG], r.tags[ASSET_PARTITION_RANGE_END_TAG]]
+                            for r in getattr(result, "run_requests", [])],
                   "jvm": SparkContext._gateway is not None or SparkContext._active_spark_context is not None}))
 """
 
@@ -69,21 +75,54 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     derive_buffer_tables(warehouse)
     instance = DagsterInstance.ephemeral()
 
-    # The sensor asks for the newly eligible ledgers, adding their partitions.
-    result = offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources))
+    def tick(cursor=None):
+        context = build_sensor_context(instance=instance, resources=dagster_resources, cursor=cursor)
+        return offload_eligible_ledgers(context), context.cursor
+
+    def span(request):
+        return request.tags[ASSET_PARTITION_RANGE_START_TAG], request.tags[ASSET_PARTITION_RANGE_END_TAG]
+
+    # The sensor asks for ONE run over the newly eligible ledgers, adding their partitions: on an
+    # instance without partitions they are contiguous.
+    result, cursor = tick()
     assert isinstance(result, SensorResult)
     wanted = [key(1), key(2), key(3), key(5)]
-    assert [r.partition_key for r in result.run_requests] == wanted == [key(l) for _, l in offload_candidates(warehouse)]
-    assert [r.run_key for r in result.run_requests] == [f"offload-{k}" for k in wanted]
+    assert wanted == [key(l) for _, l in offload_candidates(warehouse)]
+    [request] = result.run_requests
+    assert span(request) == (key(1), key(5)) and request.run_key == f"offload-{key(1)}-{key(5)}-attempt-1"
     assert list(result.dynamic_partitions_requests[0].partition_keys) == wanted
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [key(i) for i in range(1, 8)])  # in ledger order
+    # While an offload run is to finish, nothing more is asked for (one JVM, one writer at a time).
+    pending = instance.add_run(DagsterRun(job_name="offload", run_id=str(uuid.uuid4()), status=DagsterRunStatus.STARTED))
+    skipped, cursor = tick(cursor)
+    assert isinstance(skipped, SkipReason) and pending.run_id in skipped.skip_message
+    instance.report_run_failed(pending)
+    # The OPEN ledger 4 is a partition now: the first span without it; the second is for a later tick.
+    result, cursor = tick(cursor)
+    [request] = result.run_requests
+    assert span(request) == (key(1), key(3)) and request.run_key.endswith("-attempt-1")
+    # That run failed (no run is to finish, the span is still eligible): a new run key, so Dagster retries.
+    [retry] = tick(cursor)[0].run_requests
+    assert span(retry) == (key(1), key(3)) and retry.run_key == f"offload-{key(1)}-{key(3)}-attempt-2"
 
-    # A backfill over the ledger range 1..4 is one run; the OPEN ledger 4 waits.
+    # Asked for the OPEN ledger alone (one partition from the UI): the run fails, saying why, and
+    # records nothing.
+    alone = offload_run(dagster_resources, instance, partition_key=key(4), raise_on_error=False)
+    assert not alone.success and not alone.get_asset_materialization_events()
+    [failure] = [e for e in alone.all_events if e.event_type_value == "STEP_FAILURE"]
+    error = failure.event_specific_data.error.cause  # the asset's own, under Dagster's step error
+    assert error.cls_name == OffloadWaitingError.__name__
+    assert "t/4: ledger is OPEN, so it can be offloaded once it closes" in error.message
+
+    # A backfill over the ledger range 1..4 is one run; the OPEN ledger 4 waits, and is not
+    # recorded as materialized (a backfill of missing partitions will ask for it again).
     tags = {ASSET_PARTITION_RANGE_START_TAG: key(1), ASSET_PARTITION_RANGE_END_TAG: key(4)}
     run = offload_run(dagster_resources, instance, tags=tags)
     assert run.success
-    partitions = {e.partition for e in run.get_asset_materialization_events() if e.asset_key == AssetKey(OFFLOADED_ENTRIES)}
-    assert partitions == {key(1), key(2), key(3), key(4)}
+    for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST):
+        partitions = {e.partition for e in run.get_asset_materialization_events() if e.asset_key == AssetKey(table)}
+        assert partitions == {key(1), key(2), key(3)} == instance.get_materialized_partitions(AssetKey(table))
+    assert not run.get_asset_check_evaluations()  # they follow the outputs, skipped in such a run
     meta = metadata(run, OFFLOADED_ENTRIES)
     assert meta["ledgers_requested"] == 4 and meta["ledgers_offloaded"] == ["t/1", "t/2", "t/3"]
     assert meta["ledgers_waiting"] == {"t/4": "ledger is OPEN"}
@@ -95,22 +134,24 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
     assert meta["bytes_saved"] == meta["bytes_before"] - meta["bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
     assert meta["dagster/row_count"] == meta["entries_kept"] == 7
-    assert all(c.passed for c in checks(run).values()), {k: c.metadata for k, c in checks(run).items()}
-    assert set(checks(run)) == {"tier_holds_only_committed_data", "tier_within_stable_position_at_offload",
-                                "tier_matches_manifest"}
 
     # With a manifest and recorded OFFLOADED states, a fresh process's sensor (as in the code server)
     # decides as `offload_candidates` does, and starts no JVM.
     fresh = sensor_in_fresh_process(warehouse.settings.warehouse)
-    assert fresh == {"keys": [key(l) for _, l in offload_candidates(warehouse)], "jvm": False}
-    assert fresh["keys"] == [key(5)]
+    assert offload_candidates(warehouse) == [("u", 5)]
+    assert fresh == {"spans": [[key(5), key(5)]], "jvm": False}
 
+    # A run whose every partition is offloaded: the outputs, and the checks after them.
     single = offload_run(dagster_resources, instance, partition_key=key(5))
     assert metadata(single, OFFLOAD_MANIFEST)["ledgers_offloaded"] == ["u/5"]
+    assert all(c.passed for c in checks(single).values()), {k: c.metadata for k, c in checks(single).items()}
+    assert set(checks(single)) == {"tier_holds_only_committed_data", "tier_within_stable_position_at_offload",
+                                   "tier_matches_manifest"}
     assert metadata(single, OFFLOADED_ENTRIES)["tier_scanned"] is False  # unchanged since the last manifest commit
     before = tier(warehouse)
     again = offload_run(dagster_resources, instance, tags=tags)  # the backfill once more: same rows
     assert metadata(again, OFFLOADED_ENTRIES)["ledgers_already_offloaded"] == 3 and tier(warehouse) == before
+    assert key(4) not in instance.get_materialized_partitions(AssetKey(OFFLOADED_ENTRIES))
     assert warehouse.read(OFFLOAD_MANIFEST).count() == 4
     assert isinstance(offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources)), SkipReason)
 

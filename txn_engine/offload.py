@@ -141,6 +141,28 @@ class OffloadStateError(TxnlakeError):
     """The buffer's tables disagree about a ledger being offloaded; its manifest row was not written."""
 
 
+# What to do about a ledger that waits, by the start of its reason (`ledger_eligibility`).
+WAITING_ADVICE = {
+    "ledger is OPEN": "it can be offloaded once it closes (its topic rolls over to a new ledger)",
+    "topic has no stable position": "materialize the transaction buffer first (`txnlake run`)",
+    "last entry is beyond": "it can be offloaded once its transactions end (commit, abort or timeout) "
+                            "and the transaction buffer has run again (`txnlake run`)",
+    "ledger is DELETED": "retention deleted it from the hot tables before it was offloaded: nothing is left to offload",
+    "not in the": "ingest its entries and refresh the catalog (`txnlake run`), or drop the partition",
+}
+
+
+class OffloadWaitingError(TxnlakeError):
+    """None of the ledgers a run asked for can be offloaded now (and none is offloaded already)."""
+
+    def __init__(self, waiting: dict[str, str]):
+        self.waiting = waiting  # "topic/ledger_id" (or the partition key when unknown) -> reason
+        why = "; ".join(f"{name}: {reason}, so {next((a for p, a in WAITING_ADVICE.items() if reason.startswith(p)), 'retry later')}"
+                        for name, reason in sorted(waiting.items()))
+        super().__init__(f"nothing was offloaded, no requested ledger is eligible: {why}. The partition(s) stay "
+                         "not materialized; the offload sensor requests them once they are eligible.")
+
+
 # What a decided transaction costs in the hash relation broadcast to the offloaded rows, to bound
 # that broadcast by `BROADCAST_MAX_BYTES` (`decided_txns`): at 10M entries 1,123,715 of them made
 # a 256 MiB relation (Spark's SQL metrics), so the bound is ~4.5M (a 5M-row bound before).
