@@ -12,6 +12,7 @@ as materialized again).
 """
 
 import json
+import time
 from datetime import timedelta
 
 from dagster import (
@@ -45,7 +46,7 @@ from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.metadata import table_metadata
-from pipelines.buffer_sensors import range_tags
+from pipelines.buffer_sensors import range_tags, retry_after_s
 from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
@@ -180,8 +181,13 @@ def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResou
         return SkipReason("no ledger is newly eligible for offload")
     known = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     new = [k for k in keys if k not in set(known)]
-    request, cursor = offload_run_request(keys, [*known, *new], json.loads(context.cursor) if context.cursor else {})
-    context.update_cursor(json.dumps(cursor))
+    last = json.loads(context.cursor) if context.cursor else {}
+    request, cursor = offload_run_request(keys, [*known, *new], last)
+    if cursor["attempt"] > 1:  # the same span again: its run failed; ask after a backoff, as the buffer sensor does
+        wait = last.get("at", 0) + retry_after_s(cursor["attempt"] - 2) - time.time()
+        if wait > 0:
+            return SkipReason(f"the offload run of {cursor['span'][0]}..{cursor['span'][1]} failed; asking again in {wait:.0f} s")
+    context.update_cursor(json.dumps({**cursor, "at": time.time()}))
     return SensorResult(
         run_requests=[request],
         dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [],

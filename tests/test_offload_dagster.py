@@ -14,6 +14,7 @@ from dagster import (AssetKey, AssetSelection, DagsterInstance, DagsterRun, Dags
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.offload import OFFLOAD_CHECKS, offload_eligible_ledgers, offload_tier
+from pipelines.buffer_sensors import retry_after_s
 from pipelines.definitions import ALL_ASSETS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
@@ -101,7 +102,11 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     result, cursor = tick(cursor)
     [request] = result.run_requests
     assert span(request) == (key(1), key(3)) and request.run_key.endswith("-attempt-1")
-    # That run failed (no run is to finish, the span is still eligible): a new run key, so Dagster retries.
+    # That run failed (no run is to finish, the span is still eligible): after a backoff, a new run
+    # key, so Dagster retries.
+    waiting, _ = tick(cursor)
+    assert isinstance(waiting, SkipReason) and "asking again" in waiting.skip_message
+    cursor = json.dumps({**json.loads(cursor), "at": json.loads(cursor)["at"] - retry_after_s(0)})
     [retry] = tick(cursor)[0].run_requests
     assert span(retry) == (key(1), key(3)) and retry.run_key == f"offload-{key(1)}-{key(3)}-attempt-2"
 
