@@ -21,6 +21,7 @@ from dagster import (
     DefaultScheduleStatus,
     AssetCheckSeverity,
     AssetExecutionContext,
+    AssetKey,
     AssetMaterialization,
     AssetObservation,
     AssetSelection,
@@ -135,6 +136,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
 
 
 OFFLOAD_SELECTION = AssetSelection.assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
+OFFLOAD_KEYS = {AssetKey(OFFLOADED_ENTRIES), AssetKey(OFFLOAD_MANIFEST)}
 
 offload_job = define_asset_job(
     "offload",
@@ -173,7 +175,10 @@ def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResou
     wh = warehouse.open(spark.session)
     if not wh.exists(STABLE_POSITIONS):
         return SkipReason(f"no {STABLE_POSITIONS} yet: materialize the transaction buffer first")
-    running = context.instance.get_run_records(RunsFilter(job_name=offload_job.name, statuses=UNFINISHED), limit=1)
+    # Any unfinished run writing the tier: the offload job's, a UI backfill's (an asset job of its own)
+    # or `txnlake offload`'s.
+    running = [r for r in context.instance.get_run_records(RunsFilter(statuses=UNFINISHED), limit=200)
+               if r.dagster_run.job_name == offload_job.name or OFFLOAD_KEYS & set(r.dagster_run.asset_selection or ())]
     if running:
         return SkipReason(f"offload run {running[0].dagster_run.run_id} is still to finish")
     keys = sorted({ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)})

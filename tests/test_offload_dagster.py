@@ -98,6 +98,12 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     skipped, cursor = tick(cursor)
     assert isinstance(skipped, SkipReason) and pending.run_id in skipped.skip_message
     instance.report_run_failed(pending)
+    # ... also a UI backfill's run of the tier (an asset job of its own).
+    backfill = instance.add_run(DagsterRun(job_name="__ASSET_JOB", run_id=str(uuid.uuid4()), status=DagsterRunStatus.STARTED,
+                                           asset_selection=frozenset({AssetKey(OFFLOADED_ENTRIES)})))
+    skipped, cursor = tick(cursor)
+    assert isinstance(skipped, SkipReason) and backfill.run_id in skipped.skip_message
+    instance.report_run_failed(backfill)
     # The OPEN ledger 4 is a partition now: the first span without it; the second is for a later tick.
     result, cursor = tick(cursor)
     [request] = result.run_requests
