@@ -15,7 +15,7 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import pyarrow.compute as pc
 
@@ -489,13 +489,21 @@ class TransactionalProducer(SequencedSends):
         errors = [request.future.exception() for request in self._sends]
         return next((e for e in errors if e is not None), None)
 
-    def _ended(self) -> None:
+    def _end_marked(self, txn: TxnId, end: Callable[[], Future | None]) -> TxnId:
+        """The part of commit()/abort() run with the lock let go, the transaction marked as ending:
+        `end` (waits for the sends, queues the marker) and its marker's future. On success the
+        producer has no open transaction; on error the mark is cleared and the transaction stays."""
+        try:
+            future = end()
+            if future is not None:
+                future.result()
+        except BaseException:
+            with self._lock:
+                self._ending = None
+            raise
         with self._lock:
             self.txn, self._sends, self._ending = None, [], None
-
-    def _not_ending(self) -> None:
-        with self._lock:
-            self._ending = None
+        return txn
 
     def commit(self) -> TxnId:
         """Make every send of the transaction readable, on all its topics, or (on error) none."""
@@ -506,7 +514,8 @@ class TransactionalProducer(SequencedSends):
             self._check_not_ending()
             self.flush()
             self._ending = "committed"
-        try:
+
+        def end() -> Future | None:
             failed = self._wait_sends()
             if failed is not None:
                 raise InvalidTxnStateError(
@@ -515,17 +524,11 @@ class TransactionalProducer(SequencedSends):
                 ) from failed
             with self._lock, coordinator.lock:
                 self._identity()  # fenced while flushing?
-                t = coordinator.txns.get(txn)
-                future = None
-                if t is not None:
-                    future = coordinator.end_txn(txn, EntryType.COMMIT, "producer")
-            if future is not None:
-                future.result()
-        except BaseException:
-            self._not_ending()
-            raise
-        self._ended()
-        return txn
+                if coordinator.txns.get(txn) is None:
+                    return None
+                return coordinator.end_txn(txn, EntryType.COMMIT, "producer")
+
+        return self._end_marked(txn, end)
 
     def commit_async(self) -> Future:
         """Pipelined commit: queue the commit and return at once; the future resolves when it is
@@ -558,24 +561,21 @@ class TransactionalProducer(SequencedSends):
             # Never queued: nothing of it is written.
             self._batch.drop(TransactionAbortedError(f"transaction {txn} was aborted before this send was written"))
             self._ending = "aborted"
-        try:
+
+        def end() -> Future | None:
             self._wait_sends()
             with self._lock, coordinator.lock:
                 self._identity()
                 t = coordinator.txns.get(txn)
-                future = None
-                if t is not None:
-                    try:
-                        coordinator.require_ongoing(t)
-                        future = coordinator.end_txn(txn, EntryType.ABORT, "producer")
-                    except TransactionAbortedError:
-                        # Aborted by the coordinator or an operator: nothing left to do, and now that its
-                        # producer knows, the coordinator can forget it (see TransactionCoordinator._end).
-                        coordinator.txns.pop(txn, None)
-            if future is not None:
-                future.result()
-        except BaseException:
-            self._not_ending()
-            raise
-        self._ended()
-        return txn
+                if t is None:
+                    return None
+                try:
+                    coordinator.require_ongoing(t)
+                    return coordinator.end_txn(txn, EntryType.ABORT, "producer")
+                except TransactionAbortedError:
+                    # Aborted by the coordinator or an operator: nothing left to do, and now that its
+                    # producer knows, the coordinator can forget it (see TransactionCoordinator._end).
+                    coordinator.txns.pop(txn, None)
+                    return None
+
+        return self._end_marked(txn, end)
