@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from typing import NamedTuple
 
 from dagster import (
     AssetSelection,
@@ -39,7 +40,13 @@ from assets.transaction_buffer import DESCRIPTIONS
 from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_incremental import LEDGER_COUNT_COLUMNS, closed_ledger_ids, state_is_current, state_ledger_counts
+from txn_engine.buffer_incremental import (
+    LEDGER_COUNT_COLUMNS,
+    closed_ledger_ids,
+    closed_ledgers_behind,
+    state_is_current,
+    state_ledger_counts,
+)
 from txn_engine.delta_io import DeltaTables
 from txn_engine.positions import ledger_partition_key
 from txn_engine.schema import BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGERS, LEDGERS_SCHEMA
@@ -63,27 +70,24 @@ def range_tags(first_key: str, last_key: str) -> dict[str, str]:
     return {ASSET_PARTITION_RANGE_START_TAG: first_key, ASSET_PARTITION_RANGE_END_TAG: last_key}
 
 
-def new_closed_ledger_keys(wh: Warehouse, instance: DagsterInstance) -> list[str]:
-    """Keys of closed ledgers of the catalog that are not partitions yet, in ledger order."""
-    if not wh.exists(LEDGERS):
-        return []
-    known = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
-    return [k for k in map(ledger_partition_key, closed_ledger_ids(catalog)) if k not in known]
+class ClosedLedgers(NamedTuple):
+    new_keys: list[str]  # partition keys of closed ledgers that are not partitions yet, in ledger order
+    behind: dict[str, list[int]]  # "topic/ledger_id" -> [entry_count, last_entry_id] of those the state does not hold
 
 
-def closed_ledgers_behind_the_state(wh: Warehouse) -> dict[str, list[int]]:
-    """Closed ledgers of the catalog whose (entry_count, last_entry_id) the buffer state does not
-    hold (not computed yet, or computed while they were OPEN and shorter), keyed "topic/ledger_id"."""
+def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers:
+    """The `ledgers` catalog's closed ledgers, read once: which are new partitions, and which the
+    buffer state does not hold at the catalog's counts (`closed_ledgers_behind`)."""
     if not wh.exists(LEDGERS):
-        return {}
+        return ClosedLedgers([], {})
     tables = DeltaTables(wh)
-    catalog = tables.read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"]).to_pylist()
+    catalog = tables.read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"])
+    known_keys = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
+    new = [k for k in map(ledger_partition_key, closed_ledger_ids(catalog)) if k not in known_keys]
     state = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if (
         state_is_current(wh)) else {}
-    return {f"{r['topic']}/{r['ledger_id']}": [r["entry_count"], r["last_entry_id"]] for r in catalog
-            if r["state"] in ("CLOSED", "OFFLOADED") and r["entry_count"] > 0
-            and state.get((r["topic"], r["ledger_id"])) != (r["entry_count"], r["last_entry_id"])}
+    behind = {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in closed_ledgers_behind(catalog, state).items()}
+    return ClosedLedgers(new, behind)
 
 
 def _ledger_key(name: str) -> str:
@@ -112,8 +116,7 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
     # The catalog and the state are read by delta-rs: a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
     instance = context.instance
-    new = new_closed_ledger_keys(wh, instance)
-    behind = closed_ledgers_behind_the_state(wh)
+    new, behind = closed_ledgers_of(wh, instance)
     # The cursor: per closed ledger behind the state, the counts, request and attempt of its last run request.
     requested: dict[str, dict] = json.loads(context.cursor) if context.cursor else {}
     now = time.time()

@@ -165,10 +165,10 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def _add_closed_ledger_partitions(instance, wh) -> None:
     """Add the `ledgers` catalog's newly closed ledgers as ledger partitions (what the
     ledgers_closed_sensor does), in ledger order."""
-    from pipelines.buffer_sensors import new_closed_ledger_keys
+    from pipelines.buffer_sensors import closed_ledgers_of
     from pipelines.partitions import LEDGER_PARTITIONS
 
-    new = new_closed_ledger_keys(wh, instance)
+    new = closed_ledgers_of(wh, instance).new_keys
     if new:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
         print(f"  {len(new)} newly closed ledger(s) added as ledger partitions (transaction buffer, offload tier)")

@@ -441,3 +441,25 @@ def test_a_stable_move_flips_rows_only_where_a_row_not_rewritten_can_lie():
     # Backwards, and from no stored position (a new topic) alike.
     assert flip_may_match((5, 1), (1, 3), ledgers, rewritten={5})
     assert not flip_may_match(None, (5, 2), ledgers, rewritten={1, 3, 5})
+
+
+def test_closed_ledgers_behind_the_state_follow_the_catalog_rules():
+    # The sensor's rule, on a catalog as delta-rs reads it: closed (CLOSED, OFFLOADED) ledgers that
+    # `ledger_entries` holds (entries, not DELETED) and the state does not hold at their counts.
+    import pyarrow as pa
+
+    from txn_engine.buffer_incremental import closed_ledger_ids, closed_ledgers_behind
+
+    catalog = pa.table({
+        "topic": ["a", "a", "a", "b", "b", "b", "c"],
+        "ledger_id": [1, 2, 3, 4, 5, 6, 7],
+        "entry_count": [10, 5, 0, 3, 8, 2, 4],
+        "last_entry_id": [9, 4, -1, 2, 7, 1, 3],
+        "state": ["CLOSED", "OFFLOADED", "CLOSED", "DELETED", "CLOSED", "OPEN", "CLOSED"],
+    })
+    state = {("a", 1): (10, 9), ("a", 2): (4, 3), ("b", 5): (8, 7), ("c", 7): (3, 2), ("b", 6): (1, 0)}
+    assert closed_ledger_ids(catalog) == [1, 2, 3, 5, 7]
+    # 1 and 5 held at their counts; 2 and 7 grew after they were computed; 3 is empty, 4 deleted,
+    # 6 still OPEN (a buffer run picks it up by itself).
+    assert closed_ledgers_behind(catalog, state) == {("a", 2): (5, 4), ("c", 7): (4, 3)}
+    assert closed_ledgers_behind(catalog, {}) == {("a", 1): (10, 9), ("a", 2): (5, 4), ("b", 5): (8, 7), ("c", 7): (4, 3)}

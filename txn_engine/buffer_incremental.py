@@ -363,9 +363,20 @@ def ledger_inventory(wh: Warehouse) -> pa.Table:
     if wh.exists(LEDGERS):
         catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state", "entry_count",
                                                                  "last_entry_id", "size_bytes"])
-        listed = pc.and_(pc.not_equal(catalog["state"], "DELETED"), pc.greater(catalog["entry_count"], 0))
-        return catalog.filter(listed).drop_columns(["state"])
+        return listed_ledgers(catalog).drop_columns(["state"])
     return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))).toArrow()
+
+
+def listed_ledgers(catalog: pa.Table) -> pa.Table:
+    """The rows of a `ledgers` catalog (as Arrow) of the ledgers `ledger_entries` holds: not
+    DELETED, with entries (`inventory_of` is the same rule on Spark)."""
+    return catalog.filter(pc.and_(pc.not_equal(catalog["state"], "DELETED"), pc.greater(catalog["entry_count"], 0)))
+
+
+def ledgers_behind(now: LedgerCounts, known: LedgerCounts) -> LedgerCounts:
+    """The ledgers of `now` (the catalog's counts) whose counts the state (`known`) does not hold:
+    never computed, or computed while shorter. What a run must recompute, whatever was asked."""
+    return {key: counts for key, counts in now.items() if known.get(key) != counts}
 
 
 def inventory_rows(inventory: DataFrame | pa.Table) -> list[Row]:
@@ -444,7 +455,7 @@ def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: 
     """
     rows = inventory_rows(inventory)
     now = {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in rows}
-    changed = {ledger for (topic, ledger), counts in now.items() if known.get((topic, ledger)) != counts}
+    changed = {ledger for _, ledger in ledgers_behind(now, known)}
     retained = sorted((topic, ledger, last) for (topic, ledger), (_, last) in known.items() if (topic, ledger) not in now)
     wanted = set(int(i) for i in requested) & {ledger for _, ledger in now}
     scope = wanted | changed
@@ -829,9 +840,23 @@ def flip_may_match(old: tuple[int, int] | None, new: tuple[int, int], ledgers: M
     return bool(between) and any(ledger not in rewritten for ledger in ledgers if ledger >= min(between))
 
 
+CLOSED_STATES = ("CLOSED", "OFFLOADED")
+
+
+def closed_ledgers(catalog: pa.Table) -> pa.Table:
+    """The rows of the `ledgers` catalog (as Arrow: the sensor reads it by delta-rs, without a JVM)
+    of closed ledgers: CLOSED or OFFLOADED (the catalog already marks CLOSED every ledger that is
+    not its topic's last, and applies recorded states)."""
+    return catalog.filter(pc.is_in(catalog["state"], pa.array(CLOSED_STATES)))
+
+
 def closed_ledger_ids(catalog: pa.Table) -> list[int]:
-    """Ledgers of the `ledgers` catalog (its `ledger_id` and `state`, as Arrow: the sensor reads it
-    by delta-rs, without a JVM) that are closed: CLOSED or OFFLOADED (the catalog already marks
-    CLOSED every ledger that is not its topic's last, and applies recorded states)."""
-    closed = catalog.filter(pc.is_in(catalog["state"], pa.array(["CLOSED", "OFFLOADED"])))["ledger_id"]
-    return sorted(pc.unique(closed).to_pylist())
+    """The ids of `closed_ledgers(catalog)`, in ledger order."""
+    return sorted(pc.unique(closed_ledgers(catalog)["ledger_id"]).to_pylist())
+
+
+def closed_ledgers_behind(catalog: pa.Table, known: LedgerCounts) -> LedgerCounts:
+    """The closed ledgers of the catalog that `ledger_entries` holds and whose counts the state
+    (`known`: `state_ledger_counts`) does not hold: not computed yet, or computed while OPEN and shorter."""
+    rows = listed_ledgers(closed_ledgers(catalog)).select(LEDGER_COUNT_COLUMNS).to_pylist()
+    return ledgers_behind({(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}, known)
