@@ -36,9 +36,8 @@ from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_incremental import STATE_TABLES
-from txn_engine.engine import ENGINE_TABLES
 from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
+from txn_engine.sql_models import known_tables
 
 
 
@@ -93,10 +92,10 @@ demo_job = define_asset_job(
     description="Run the demo workload through the transaction engine (what `txnlake demo` does).",
 )
 
-# Every asset is the Delta table of its name (those that are not, like demo_workload, are skipped).
+# Every asset is the Delta table of its name, but demo_workload (a run of the engine, no table).
 ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in asset.keys}
-# ... plus the buffer's state tables (rewritten by every buffer run) and the engine's.
-MAINTAINED_TABLES = sorted(ASSET_TABLES | set(STATE_TABLES) | set(ENGINE_TABLES))
+# Every table txnlake writes: the assets', the buffer's state tables and the engine's (one list: schema.py).
+MAINTAINED_TABLES = list(known_tables())
 maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)
 
 RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine": EngineResource()}
