@@ -5,12 +5,14 @@ is closed (CLOSED or OFFLOADED: recorded in `ledger_states`, or no longer its to
 ledger). The sensor adds the keys of the newly closed ledgers and requests ONE run over their
 range; that run also picks up the OPEN ledgers' new entries (see `txn_engine.buffer_incremental`).
 
-Every closed ledger the buffer state does not describe at the catalog's counts gets a run: a
-newly closed one, a partition already whose run failed (asked again after a backoff: 1, 2, 4 ...
-minutes, at most an hour), and one that was a partition while OPEN (`txnlake run` adds a log's first
-ledgers so) and grew before it closed. The cursor keeps, per such ledger, the counts, request and
-attempt of its last request, and the runs carry the request as a tag (`REQUEST_TAG`): a tick while
-they are queued or running asks nothing more, and one after they failed knows it.
+Every closed ledger that needs a run gets one: a newly closed one; one the buffer state does not
+describe at the catalog's counts (a partition whose run failed, or one that was a partition while
+OPEN, as `txnlake run` adds a log's first ledgers, and grew before it closed); and a partition whose
+last run failed or never ran although the state holds it (its tables are right, its Dagster status
+is not). A failed run is asked again after a backoff: 1, 2, 4 ... minutes, at most an hour. The
+cursor keeps, per such ledger, the counts, request and attempt of its last request, and the runs
+carry the request as a tag (`REQUEST_TAG`): a tick while they are queued or running asks nothing
+more, and one after they failed knows it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import time
 from typing import NamedTuple
 
 from dagster import (
+    AssetKey,
+    AssetPartitionStatus,
     AssetSelection,
     DagsterInstance,
     DagsterRunStatus,
@@ -42,8 +46,9 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_incremental import (
     LEDGER_COUNT_COLUMNS,
+    closed_ledger_counts,
     closed_ledger_ids,
-    closed_ledgers_behind,
+    ledgers_behind,
     state_is_current,
     state_ledger_counts,
 )
@@ -72,22 +77,40 @@ def range_tags(first_key: str, last_key: str) -> dict[str, str]:
 
 class ClosedLedgers(NamedTuple):
     new_keys: list[str]  # partition keys of closed ledgers that are not partitions yet, in ledger order
-    behind: dict[str, list[int]]  # "topic/ledger_id" -> [entry_count, last_entry_id] of those the state does not hold
+    # "topic/ledger_id" -> [entry_count, last_entry_id] of the closed ledgers that need a buffer run:
+    # new ones, those the state does not hold at the catalog's counts, and partitions whose last run
+    # failed (or never ran): their tables may be right, but Dagster's partition status is not.
+    to_run: dict[str, list[int]]
 
 
 def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers:
-    """The `ledgers` catalog's closed ledgers, read once: which are new partitions, and which the
-    buffer state does not hold at the catalog's counts (`closed_ledgers_behind`)."""
+    """The `ledgers` catalog's closed ledgers, read once: which are new partitions, and which need a run."""
     if not wh.exists(LEDGERS):
         return ClosedLedgers([], {})
     tables = DeltaTables(wh)
     catalog = tables.read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"])
-    known_keys = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    new = [k for k in map(ledger_partition_key, closed_ledger_ids(catalog)) if k not in known_keys]
+    partitions = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
+    closed_keys = [ledger_partition_key(i) for i in closed_ledger_ids(catalog)]
+    new = [k for k in closed_keys if k not in partitions]
+    closed = closed_ledger_counts(catalog)
     state = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if (
         state_is_current(wh)) else {}
-    behind = {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in closed_ledgers_behind(catalog, state).items()}
-    return ClosedLedgers(new, behind)
+    unrecorded = set(new) | unmaterialized_partitions(instance, [k for k in closed_keys if k in partitions])
+    to_run = {**ledgers_behind(closed, state),
+              **{key: counts for key, counts in closed.items() if ledger_partition_key(key[1]) in unrecorded}}
+    return ClosedLedgers(new, {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in sorted(to_run.items())})
+
+
+def unmaterialized_partitions(instance: DagsterInstance, keys: list[str]) -> set[str]:
+    """Of these ledger partitions, those some buffer asset has neither materialized nor is materializing."""
+    if not keys:
+        return set()
+    done = {AssetPartitionStatus.MATERIALIZED, AssetPartitionStatus.IN_PROGRESS}
+    missing: set[str] = set()
+    for table in DESCRIPTIONS:
+        status = instance.get_status_by_partition(AssetKey(table), keys, LEDGER_PARTITIONS) or {}
+        missing |= {k for k in keys if status.get(k) not in done}
+    return missing
 
 
 def _ledger_key(name: str) -> str:
@@ -116,14 +139,14 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
     # The catalog and the state are read by delta-rs: a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
     instance = context.instance
-    new, behind = closed_ledgers_of(wh, instance)
-    # The cursor: per closed ledger behind the state, the counts, request and attempt of its last run request.
+    new, to_run = closed_ledgers_of(wh, instance)
+    # The cursor: per closed ledger that needs a run, the counts, request and attempt of its last run request.
     requested: dict[str, dict] = json.loads(context.cursor) if context.cursor else {}
     now = time.time()
     states: dict[str, str] = {}  # request tag -> state of its runs, looked up once
     due: dict[str, int] = {}  # name -> attempt of the request to make now
     waiting = []
-    for name, counts in behind.items():
+    for name, counts in to_run.items():
         last = requested.get(name)
         if last is None or last["counts"] != counts:
             due[name] = 0
@@ -136,9 +159,10 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
                 waiting.append(name)
         # "running": its run will write it; "succeeded": computed, but the catalog counts differ
         # (ledger_entries grew since the catalog was materialized): the next catalog refresh tells.
+        # Either way nothing is asked again until the counts change or a run fails.
     request = f"{int(now * 1000)}"
-    cursor = {name: requested[name] for name in behind if name in requested and name not in due}
-    cursor.update({name: {"counts": behind[name], "request": request, "attempt": attempt, "at": now}
+    cursor = {name: requested[name] for name in to_run if name in requested and name not in due}
+    cursor.update({name: {"counts": to_run[name], "request": request, "attempt": attempt, "at": now}
                    for name, attempt in due.items()})
     context.update_cursor(json.dumps(cursor, sort_keys=True) if cursor else None)
     new_set = set(new)

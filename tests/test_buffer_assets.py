@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from delta.tables import DeltaTable
-from dagster import AssetKey, AssetSelection, DagsterInstance, PartitionKeyRange, SensorResult, materialize
+from dagster import AssetKey, AssetPartitionStatus, AssetSelection, DagsterInstance, PartitionKeyRange, SensorResult, materialize
 
 from pipelines.buffer_sensors import REQUEST_TAG, range_tags, retry_after_s
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
@@ -162,11 +162,14 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)
 
     # The run the sensor asks for fails (here: a warehouse root that is a file): the sensor asks
-    # again once its backoff has passed, not before, and that run catches up.
-    closing = [entry("other", 16, 1, producer=6, seq=3), entry("other", 17, 0, producer=6, seq=4)]
+    # again once its backoff has passed, not before, and that run catches up. Ledger 16 closed one
+    # entry longer than the state holds it; 15 closed as the state holds it (its tables are right,
+    # but its partition's run failed: it is asked again too, so Dagster's status ends right).
+    closing = [entry("other", 16, 1, producer=6, seq=3), entry("other", 17, 0, producer=6, seq=4), entry("seed", 18, 0)]
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "d.jsonl", closing))])
     assert materialize(assets, selection=AssetSelection.assets(LEDGERS), resources=dagster_resources, instance=instance).success
-    [request] = sensor_tick(instance, dagster_resources).run_requests  # ledger 16 closed, one entry longer
+    [request] = sensor_tick(instance, dagster_resources).run_requests
+    assert request.partition_key_range == PartitionKeyRange(ledger_partition_key(15), ledger_partition_key(16))
     not_a_folder = tmp_path / "not-a-folder"
     not_a_folder.write_text("")
     failed = materialize(assets, selection=buffer, instance=instance, tags=request.tags, raise_on_error=False,
@@ -176,10 +179,13 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     backdate_sensor_requests(instance, retry_after_s(0))
     [retry] = sensor_tick(instance, dagster_resources).run_requests
     assert retry.run_key.startswith("behind-") and retry.tags[REQUEST_TAG] != request.tags[REQUEST_TAG]
-    assert retry.partition_key_range == PartitionKeyRange(ledger_partition_key(16), ledger_partition_key(16))
+    assert retry.partition_key_range == PartitionKeyRange(ledger_partition_key(15), ledger_partition_key(16))
     assert materialize(assets, selection=buffer, resources=dagster_resources, instance=instance, tags=retry.tags).success
     assert_equal_to_a_full_recompute(warehouse)
     assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)
+    status = instance.get_status_by_partition(AssetKey(COMMITTED_ENTRIES), instance.get_dynamic_partitions(
+        LEDGER_PARTITIONS.name), LEDGER_PARTITIONS)
+    assert set(status.values()) == {AssetPartitionStatus.MATERIALIZED}, status
 
 
 def assert_equal_to_a_full_recompute(warehouse) -> None:

@@ -855,8 +855,8 @@ def closed_ledger_ids(catalog: pa.Table) -> list[int]:
     return sorted(pc.unique(closed_ledgers(catalog)["ledger_id"]).to_pylist())
 
 
-def closed_ledgers_behind(catalog: pa.Table, known: LedgerCounts) -> LedgerCounts:
-    """The closed ledgers of the catalog that `ledger_entries` holds and whose counts the state
-    (`known`: `state_ledger_counts`) does not hold: not computed yet, or computed while OPEN and shorter."""
+def closed_ledger_counts(catalog: pa.Table) -> LedgerCounts:
+    """(entry_count, last_entry_id) of the closed ledgers of the catalog that `ledger_entries` holds,
+    per (topic, ledger_id): what the sensor compares with the state (`ledgers_behind`)."""
     rows = listed_ledgers(closed_ledgers(catalog)).select(LEDGER_COUNT_COLUMNS).to_pylist()
-    return ledgers_behind({(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}, known)
+    return {(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}
