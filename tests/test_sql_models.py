@@ -53,8 +53,13 @@ def test_unknown_table_is_told_apart_from_one_not_written_yet(warehouse, tmp_pat
     assert "ledger_entries, " in str(err.value) and "txn_markers" in str(err.value)  # the names to choose from
     # Known: the contract's tables and the SQL models' own.
     assert {"ledger_entries", "txn_markers", "consumer_offsets", "ledger_sizes"} <= set(known_tables())
-    with pytest.raises(TableMissingError, match="materialize ledger_sizes first"):
+    with pytest.raises(TableMissingError, match=r"ledger_sizes, which does not exist yet .* write it first \(`txnlake run`\)"):
         run_model(warehouse, _model(tmp_path, "sizes", "SELECT * FROM ledger_sizes"))
+    # The command that writes it, for a table `txnlake run` does not write.
+    with pytest.raises(TableMissingError, match=r"write it first \(`txnlake snapshot`\)"):
+        run_model(warehouse, _model(tmp_path, "segments", "SELECT * FROM txn_snapshot_segments"))
+    # Nothing offloaded or deleted yet: those tables read as empty, not as an error.
+    assert run_model(warehouse, _model(tmp_path, "cold", "SELECT COUNT(*) AS n FROM offload_manifest")).collect()[0].n == 0
 
 
 def test_run_model_over_delta_tables(warehouse, tmp_path):

@@ -82,6 +82,27 @@ def known_tables() -> tuple[str, ...]:
     return tuple(sorted(contract | {p.stem for p in sql_dir().glob("*.sql")}))
 
 
+# Tables first written when something happens (a ledger offloaded, deleted, a state recorded): until
+# then "none yet" is their true content, so a model reads them as empty instead of failing.
+EMPTY_UNTIL_WRITTEN = {
+    schema.OFFLOAD_MANIFEST: schema.OFFLOAD_MANIFEST_SCHEMA,
+    schema.OFFLOADED_ENTRIES: schema.OFFLOADED_ENTRIES_SCHEMA,
+    schema.DELETED_LEDGERS: schema.DELETED_LEDGERS_SCHEMA,
+    schema.LEDGER_STATES_LOG: schema.LEDGER_STATES_SCHEMA,
+}
+# What writes the tables `txnlake run` does not (the rest: `txnlake run`).
+WRITTEN_BY = {
+    schema.LEDGER_ENTRIES: "`txnlake ingest` or the transaction engine",
+    schema.QUARANTINE_ENTRIES: "`txnlake ingest`",
+    schema.TXN_LOG: "the transaction engine (`txnlake demo`, or producers through it)",
+    schema.CONSUMER_OFFSETS: "the transaction engine (`txnlake demo`, or producers through it)",
+    schema.TXN_SNAPSHOT_SEGMENTS: "`txnlake snapshot`",
+    schema.TXN_SNAPSHOT_STATE: "`txnlake snapshot`",
+    schema.RECOVERED_BUFFER_STATE: "`txnlake snapshot`",
+    "tier_sizes": "`txnlake offload`",
+}
+
+
 def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
     """The model's result as a DataFrame over the current Delta tables."""
     for table in model.reads:
@@ -89,11 +110,14 @@ def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
         if warehouse.exists(table, location):
             warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
             continue
+        if table in EMPTY_UNTIL_WRITTEN:
+            warehouse.spark.createDataFrame([], EMPTY_UNTIL_WRITTEN[table]).createOrReplaceTempView(table)
+            continue
         known = known_tables()
         if table in known:
             raise TableMissingError(
                 f"SQL model {model.name} reads table {table}, which does not exist yet at "
-                f"{location}; materialize {table} first (`txnlake run`)."
+                f"{location}; write it first ({WRITTEN_BY.get(table, '`txnlake run`')})."
             )
         raise InputFileError(
             f"SQL model {model.name} ({model.path}) reads table {table}, which is not a txnlake table "
