@@ -45,9 +45,18 @@ def _warehouse():
     from pipelines.definitions import RESOURCES
     from txn_engine.warehouse import Warehouse
 
+    from txn_engine.errors import TableMissingError
+
     # The configured warehouse resource, as the runs see it. No Spark: the engine and these tools
     # read and write Delta through delta-rs.
-    return Warehouse(None, RESOURCES["warehouse"].settings())
+    settings = RESOURCES["warehouse"].settings()
+    if settings.root_missing():
+        # A mistyped root would list "0 transactions", and an abort would create it (its lock file).
+        raise TableMissingError(
+            f"the warehouse root {settings.warehouse} does not exist: no transaction was ever written there. "
+            "Point TXNLAKE_WAREHOUSE at your warehouse."
+        )
+    return Warehouse(None, settings)
 
 
 def _time(value) -> str:

@@ -138,3 +138,12 @@ def test_txn_tools_refuse_negative_counts_and_durations(warehouse_root, capsys):
         assert exit_.value.code == 2
         assert f"argument {option}: must be 0 or more, got {value}" in capsys.readouterr().err
     assert not warehouse_root.exists()  # refused before anything ran
+
+
+def test_txn_tools_refuse_a_warehouse_root_that_does_not_exist(warehouse_root, capsys):
+    # A mistyped root listed "0 transaction(s)" (exit 0), and an abort created it (its lock file).
+    for argv in (["txn", "list"], ["txn", "find-hanging"], ["txn", "describe", "0:1"],
+                 ["txn", "abort", "0:1", "--who", "ops", "--why", "test"]):
+        assert main(argv) == 2
+        assert f"the warehouse root {warehouse_root} does not exist" in capsys.readouterr().err
+    assert not warehouse_root.exists()
