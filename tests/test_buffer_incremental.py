@@ -395,6 +395,24 @@ def test_a_second_run_waits_for_the_first_and_both_end_as_a_full_recompute(spark
     assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(FIRST + LATER + more).items()}
 
 
+def test_retention_waits_for_a_buffer_run(spark, prepared):
+    """Retention deletes under the buffer's lock: a run between its reading the log and its writes
+    would otherwise write the deleted ledger's rows back."""
+    warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later(spark))
+    ledgers_of = lambda table: {r.ledger_id for r in warehouse.read(table).select("ledger_id").distinct().collect()}  # noqa: E731
+    deleted_at: list[float] = []  # when the derived tables' deletes were done (the retention hook)
+    with buffer_lock(warehouse):  # as a buffer run holds it
+        deleting = threading.Thread(target=delete_ledger_rows, args=(warehouse, [("t", 1)], True),
+                                    kwargs={"hook": lambda point: deleted_at.append(time.monotonic())})
+        deleting.start()
+        deleting.join(1.0)
+        assert deleting.is_alive()  # waiting for the run
+        released_at = time.monotonic()
+    deleting.join(60)
+    assert deleted_at and deleted_at[0] > released_at  # nothing deleted while the run held the lock
+    assert 1 not in ledgers_of(LEDGER_ENTRIES) and 1 not in ledgers_of(COMMITTED_ENTRIES)
+
+
 def test_jobs_beside_a_failed_write_are_interrupted_not_waited_for(spark):
     """A run that crashes mid-write must not wait for the violation totals counted beside it."""
     tracker = spark.sparkContext.statusTracker()
