@@ -91,7 +91,11 @@ def topic_log(tables: DeltaTables, topic: str) -> TopicLog:
     deleted = tables.read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id", "entry_count", "last_entry_id"])
     gone = {r["ledger_id"]: r for r in deleted.filter(pc.equal(deleted["topic"], topic)).to_pylist()
             if r["ledger_id"] not in stored and r["entry_count"] > 0}
-    buffer = _resumed_buffer(tables, topic, gone, hot) if gone and hot.num_rows else TopicTransactionBuffer(topic)
+    buffer = TopicTransactionBuffer(topic)
+    if gone and hot.num_rows:
+        ids = sorted(gone)
+        buffer = resumed_buffer(topic, gone, hot, _topic_rows(tables, BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, topic, ids),
+                                _topic_rows(tables, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA, topic, ids))
     for row in hot.to_pylist():
         buffer.append(LogEntry.from_row(row))
     tiered = sorted(ledger for _, ledger in offloaded_ledgers(tables.warehouse, topic) if ledger in gone)
@@ -100,9 +104,12 @@ def topic_log(tables: DeltaTables, topic: str) -> TopicLog:
     return TopicLog(buffer, [LogEntry.from_row(r) for r in cold.to_pylist()])
 
 
-def _resumed_buffer(tables: DeltaTables, topic: str, gone: dict[int, dict], hot: pa.Table) -> TopicTransactionBuffer:
+def resumed_buffer(topic: str, gone: dict[int, dict], hot: pa.Table, ledger_txns: pa.Table,
+                   ranges: pa.Table) -> TopicTransactionBuffer:
     """The reference buffer of `topic` after its deleted ledgers (`gone`: ledger id -> deleted_ledgers
-    row), from the facts the buffer's state keeps of them, ready to be fed `hot` (the stored entries)."""
+    row, with `entry_count` and `last_entry_id`), ready to be fed `hot` (the stored entries, in
+    ledger_entries columns), from the facts the buffer's state keeps of the deleted ledgers: their
+    `buffer_ledger_txns` and `buffer_sequence_ranges` rows. Pure."""
     first_stored = pc.min(hot["ledger_id"]).as_py()
     if max(gone) > first_stored:
         raise ConsumerStateError(
@@ -111,7 +118,6 @@ def _resumed_buffer(tables: DeltaTables, topic: str, gone: dict[int, dict], hot:
             "The consumer cannot read the topic in ledger order; restore the deleted ledger's entries or its deleted_ledgers row."
         )
     ids = sorted(gone)
-    ledger_txns = _topic_rows(tables, BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, topic, ids)
     held = state_ledger_counts(ledger_txns)
     missing = [ledger for ledger in ids if held.get((topic, ledger)) != (gone[ledger]["entry_count"], gone[ledger]["last_entry_id"])]
     if missing:
@@ -132,7 +138,6 @@ def _resumed_buffer(tables: DeltaTables, topic: str, gone: dict[int, dict], hot:
                for t in txns if t["marker_count"] == 0}
     # The sequence ids seen in the deleted ledgers, of the stored entries that repeat one: the rule
     # the buffer's incremental runs apply to earlier ledgers' runs.
-    ranges = _topic_rows(tables, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA, topic, ids)
     sequences: set[tuple[int, int]] = set()
     if ranges.num_rows:
         narrow = hot.select(["topic", "ledger_id", "entry_id", "entry_type", "producer_id", "sequence_id"])
