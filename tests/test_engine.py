@@ -539,6 +539,21 @@ def test_offsets_land_only_with_a_commit(engine):
     assert engine.writer.stopped is None
 
 
+def test_consumer_positions_are_checked_as_offsets_are(engine):
+    at = engine.send("t", b"x").result()
+    engine.send("t", b"y").result()
+    # "L:E" as printed and pairs of integers, from the start or per read (was: "3:0" a TypeError,
+    # (1, 'x'), (1.5, 0) and (-5, 0) accepted).
+    assert [e.payload for e in engine.consumer("t", f"{at.ledger_id}:1").read()] == [b"y"]
+    assert [e.payload for e in engine.consumer("t").read((at.ledger_id, 1))] == [b"y"]
+    for bad, message in [("30", "not a position: '30'"), ((1, "x"), "pair of integers"), ((1.5, 0), "pair of integers"),
+                         ((-5, 0), "-5:0 is out of range")]:
+        with pytest.raises(ValueError, match=f"start.*{message}"):
+            engine.consumer("t", bad)
+        with pytest.raises(ValueError, match=f"from_position.*{message}"):
+            engine.consumer("t").read(bad)
+
+
 def test_second_engine_is_refused_until_the_first_closes(warehouse):
     first = Engine(warehouse)
     with pytest.raises(EngineLockedError, match="One engine writes a warehouse at a time"):

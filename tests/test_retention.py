@@ -7,13 +7,23 @@ import time
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from deltalake import DeltaTable
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.offload_history import COMMIT_D, HISTORY, G, derive_buffer_tables, oracle_read
 from tests.rows import entry, write_jsonl
+from tests.test_offload_property import STEP, build_history
+from txn_engine import buffer_arrow
+from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import compute_buffer_tables
+from txn_engine.consumer import Consumer, ConsumerStateError, resumed_buffer
+from txn_engine.delta_io import DeltaTables, arrow_schema
+from txn_engine.engine import Engine
+from txn_engine.ledger_writer import RolloverPolicy
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
@@ -28,18 +38,21 @@ from txn_engine.retention import (
     parse_bytes,
     parse_duration,
 )
+from txn_engine.positions import EARLIEST
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
     LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
+    LEDGER_ENTRY_COLUMNS,
     LEDGERS,
     RECOVERED_BUFFER_STATE,
     TXN_MARKERS,
 )
 from txn_engine.snapshot_jobs import full_replay_states, recovery_mismatches, write_snapshots
 from txn_engine.snapshot_recovery import recover_to_warehouse
-from txn_engine.transaction_buffer import LogEntry, TxnId, replay
+from txn_engine.transaction_buffer import LogEntry, TopicTransactionBuffer, TxnId, replay
 
 # Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
 EXTRA = [entry("t", 4, 2, txn=G, payload=b"g-data"), entry("t", 4, 3, "ABORT", txn=G),
@@ -119,6 +132,83 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     # Applying the policy again deletes nothing more.
     again = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
     assert again.deleted == [] and again.finished == []
+
+    # This warehouse has no buffer state (its tables were derived statelessly), so nothing recorded
+    # whether t/4:4 repeats a send of the deleted ledgers: the engine's consumer refuses, it does not guess.
+    with pytest.raises(ConsumerStateError, match=r"topic 't': retention deleted ledger\(s\) 1, 2, 3.*`txnlake run`"):
+        Consumer(DeltaTables(wh), "t").read()
+
+
+def test_the_engines_consumer_reads_deleted_ledgers_as_the_reference_fed_the_whole_log(warehouse, tmp_path):
+    """After `txnlake run`, offload and retention, the consumer reads the deleted ledgers from the tier and
+    decides the stored ones with the facts the buffer's state kept (was: it replayed only the stored
+    ledgers, so it lost the deleted entries, read a retried send as new and late data as an open
+    transaction that hid every later entry)."""
+    A, B = (1, 1), (1, 2)
+    ingested = [  # t: a retried send and A's late data in ledger 2, whose originals / marker are in ledger 1
+        entry("t", 1, 0, producer=9, seq=0, payload=b"orig-9-0"), entry("t", 1, 1, txn=A, payload=b"A-data"),
+        entry("t", 1, 2, "COMMIT", txn=A),
+        entry("t", 2, 0, producer=9, seq=0, payload=b"DUP-9-0"), entry("t", 2, 1, txn=A, payload=b"A-LATE"),
+        entry("t", 2, 2, txn=B, payload=b"B-data"), entry("t", 2, 3, "ABORT", txn=B),
+        entry("t", 3, 0, payload=b"plain-3-0"), entry("t", 4, 0, payload=b"plain-4-0")]
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", ingested))])
+    with Engine(warehouse, rollover=RolloverPolicy(max_entries=2)) as engine:  # a: a transaction across ledgers
+        p = engine.producer("app")
+        p.init_transactions()
+        p.begin()
+        for i in range(3):
+            p.send("a", f"T-{i}".encode()).result()
+        p.commit()
+        for i in range(4):
+            engine.send("a", f"plain-{i}".encode()).result()
+        before = [(e.position, e.payload) for e in engine.consumer("a").read()]
+    assert len(before) == 7
+    a_ledgers = sorted({p.ledger_id for p, _ in before})
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    offload_ledgers(warehouse, [1, *a_ledgers[:-1]])
+    assert apply_retention(warehouse, RetentionPolicy(keep_ledgers=1)).deleted == [("a", l) for l in a_ledgers[:-1]] + [("t", 1)]
+
+    tables = DeltaTables(warehouse)
+    with Engine(warehouse) as engine:
+        assert [(e.position, e.payload) for e in engine.consumer("a").read()] == before
+    read = Consumer(tables, "t").read()
+    assert [(e.ledger_id, e.entry_id) for e in read] == oracle_read(ingested, "t") == [(1, 0), (1, 1), (3, 0), (4, 0)]
+    assert [e.payload for e in read] == [b"orig-9-0", b"A-data", b"plain-3-0", b"plain-4-0"]
+    # From a position, and a page at a time, across the tier and the stored ledgers.
+    consumer = Consumer(tables, "t", "1:1")
+    assert [[str(e.position) for e in consumer.poll(2)] for _ in range(3)] == [["1:1", "3:0"], ["4:0"], []]
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(steps=st.lists(STEP, min_size=1, max_size=25), deleted=st.integers(1, 6))
+def test_the_consumers_buffer_resumed_after_deleted_ledgers_decides_as_the_whole_log(steps, deleted):
+    """The buffer the consumer resumes from the state's facts of the first ledgers (as the buffer's
+    own run writes them: `buffer_arrow`), fed the rest, reads and holds the stable position as the
+    reference fed every ledger: transactions still open in the deleted ledgers included, which an
+    offloaded ledger never holds (so the tests through the tier never see them)."""
+    entries = build_history("h", steps, 100)
+    ledgers = sorted({e.ledger_id for e in entries})
+    gone_ids = pa.array(ledgers[:min(deleted, len(ledgers) - 1)], pa.int64())
+    if not len(gone_ids):
+        return
+    whole = TopicTransactionBuffer("h")
+    for e in entries:
+        whole.append(e)
+    log = pa.Table.from_pylist([{c: getattr(e, c) for c in LEDGER_ENTRY_COLUMNS} for e in entries],
+                               schema=arrow_schema(LEDGER_ENTRIES_SCHEMA))
+    in_gone = pc.is_in(log["ledger_id"], gone_ids)
+    narrow = buffer_arrow.with_row_index(log.filter(in_gone))
+    duplicate = buffer_arrow.is_duplicate(narrow, buffer_arrow.duplicate_positions(narrow))
+    gone = {ledger: {"entry_count": sum(e.ledger_id == ledger for e in entries),
+                     "last_entry_id": max(e.entry_id for e in entries if e.ledger_id == ledger)} for ledger in gone_ids.to_pylist()}
+    hot = log.filter(pc.invert(in_gone))
+    resumed = resumed_buffer("h", gone, hot, buffer_arrow.by_ledger_txn(narrow, duplicate),
+                             buffer_arrow.sequence_ranges(narrow, duplicate))
+    for row in hot.to_pylist():
+        resumed.append(LogEntry.from_row(row))
+    first_hot = pc.min(hot["ledger_id"]).as_py()
+    assert resumed.read_committed(EARLIEST) == [e for e in whole.read_committed(EARLIEST) if e.ledger_id >= first_hot]
+    assert resumed.max_read_position == whole.max_read_position
 
 
 def data_files_on_disk(wh, table):

@@ -668,11 +668,10 @@ def _copy_ledgers(
 
 
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
-    """The ledgers the tier holds: those with a manifest row (the offload's commit point)."""
-    manifest = warehouse.read_or_empty(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA)
-    if topic is not None:
-        manifest = manifest.where(F.col("topic") == topic)
-    return {(r["topic"], r["ledger_id"]) for r in manifest.select("topic", "ledger_id").collect()}
+    """The ledgers the tier holds: those with a manifest row (the offload's commit point). A row
+    per ledger, read by delta-rs: no Spark job, so the engine's consumer reads the tier without a JVM."""
+    manifest = DeltaTables(warehouse).read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"]).to_pylist()
+    return {(r["topic"], r["ledger_id"]) for r in manifest if topic is None or r["topic"] == topic}
 
 
 def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
