@@ -51,7 +51,7 @@ from pipelines.buffer_sensors import range_tags, retry_after_s
 from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, position_lt
+from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, is_marker, position_lt
 from txn_engine.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
 from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
 from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
@@ -270,11 +270,19 @@ def tier_holds_only_committed_data(spark: SparkResource, warehouse: WarehouseRes
     tier, _ = _tier_and_manifest(wh)
     markers = tier.where(F.col("entry_type") != "DATA").count()
     txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
-    aborted = txn_rows.join(wh.read_or_empty(ABORTED_TXNS, ABORTED_TXNS_SCHEMA).select(*TXN_KEY), list(TXN_KEY), "left_semi").count()
+    # Decided by the log's own markers as well as the buffer's tables: the offload decides from
+    # `ledger_entries`, which may be newer than `txn_markers`/`aborted_txns` (an ingest since the
+    # last `txnlake run`), and a transaction committed there is not ongoing. First marker wins.
+    log = wh.read(LEDGER_ENTRIES).where(has_txn())
+    first_markers = log.where(is_marker()).groupBy(*TXN_KEY).agg(
+        F.min(F.struct("ledger_id", "entry_id", "entry_type")).alias("_m"))
+    aborted_txns = wh.read_or_empty(ABORTED_TXNS, ABORTED_TXNS_SCHEMA).select(*TXN_KEY).unionByName(
+        first_markers.where(F.col("_m.entry_type") == "ABORT").select(*TXN_KEY))
+    aborted = txn_rows.join(aborted_txns, list(TXN_KEY), "left_semi").count()
     # Ongoing: data in the hot log and no marker. (A transaction whose ledgers retention deleted
     # has no hot data left, so it cannot look ongoing here.)
-    decided = wh.read_or_empty(TXN_MARKERS, TXN_MARKERS_SCHEMA).select(*TXN_KEY)
-    ongoing_txns = wh.read(LEDGER_ENTRIES).where(has_txn()).select(*TXN_KEY).distinct().join(decided, list(TXN_KEY), "left_anti")
+    decided = wh.read_or_empty(TXN_MARKERS, TXN_MARKERS_SCHEMA).select(*TXN_KEY).unionByName(first_markers.select(*TXN_KEY))
+    ongoing_txns = log.select(*TXN_KEY).distinct().join(decided, list(TXN_KEY), "left_anti")
     ongoing = txn_rows.join(ongoing_txns, list(TXN_KEY), "left_semi").count()
     return AssetCheckResult(
         passed=not (markers or aborted or ongoing),

@@ -328,15 +328,16 @@ def entry_line(e) -> str:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-    from txn_engine.positions import Position
+    from txn_engine.positions import start_position
     from txn_engine.reader import TopicReader
 
     try:
-        start = Position.parse(args.from_position)
+        start = start_position(args.from_position, "--from")
     except ValueError as exc:
         raise TxnlakeError(str(exc)) from None
     wh = _open_warehouse()
-    batch = TopicReader(wh).read(args.topic, start, args.max)
+    reader = TopicReader(wh)
+    batch = reader.read(args.topic, start, args.max)
     if not batch.entries:
         # Nothing read: say so when the topic is unknown, rather than print an empty topic.
         known = _known_topics(wh)
@@ -348,6 +349,10 @@ def cmd_read(args: argparse.Namespace) -> int:
         print(entry_line(e))
     nxt = batch.next_position
     print(f"-- {len(batch.entries)} entries" + (f"; continue with --from {nxt}" if nxt else ""))
+    behind = reader.behind_log(args.topic)
+    if behind is not None:
+        print(f"note: the transaction buffer's view of {args.topic!r} is behind the log (ledger_entries reaches "
+              f"{behind}): nothing past its last run is readable yet; run `txnlake run`", file=sys.stderr)
     return 0
 
 
@@ -519,32 +524,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("ingest", help="validate raw ledger files and append them to ledger_entries")
+    p = sub.add_parser("ingest", help="validate raw ledger files and append them to ledger_entries",
+                       description="Validates raw ledger files (.jsonl, .csv, .parquet) and appends their entries to "
+                       "ledger_entries; malformed rows go to quarantine_entries, entries already present are skipped.")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl, .csv or .parquet files (or folders)")
     p.set_defaults(func=cmd_ingest)
 
-    p = sub.add_parser("run", help="materialize every derived asset over what the warehouse holds")
+    p = sub.add_parser("run", help="materialize every derived asset over what the warehouse holds",
+                       description="Refreshes the ledgers catalog, then materializes the transaction buffer's tables and "
+                       "the SQL models over every ledger the warehouse holds (snapshots, offload and retention have "
+                       "their own commands). "
+                       "Run it after an ingest: readers see nothing of the new entries before.")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("sql", help="run one SQL model ad hoc and print its result")
+    p = sub.add_parser("sql", help="run one SQL model ad hoc and print its result",
+                       description="Runs one SQL file over the warehouse's Delta tables (each table by its name) and "
+                       "prints its rows.")
     p.add_argument("file", help="a .sql file, e.g. dbt-free-sql/ledger_sizes.sql")
     p.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
     p.set_defaults(func=cmd_sql)
 
-    p = sub.add_parser("snapshot", help="take the due transaction-buffer snapshots, compact, recover and check")
+    p = sub.add_parser("snapshot", help="take the due transaction-buffer snapshots, compact, recover and check",
+                       description="Takes the due transaction-buffer snapshots (multi-part segments), compacts the "
+                       "snapshot log, recovers the buffer state from it and checks it against a full replay.")
     p.add_argument("--force", action="store_true", help="snapshot every topic with transactional data")
     p.add_argument("--max-aborts-per-segment", type=int, help="aborts per segment at most (default 100000)")
     p.add_argument("--max-segment-bytes", type=int, help="bytes per segment at most (default 5 MiB)")
     p.set_defaults(func=cmd_snapshot)
 
-    p = sub.add_parser("generate", help="write a realistic raw ledger file (deterministic per seed)")
+    p = sub.add_parser("generate", help="write a realistic raw ledger file (deterministic per seed)",
+                       description="Writes a raw ledger file to ingest: topics, ledgers, transactions that commit, "
+                       "abort or hang, retried sends. The same seed gives the same file.")
     p.add_argument("out", help="output file: .parquet, .jsonl or .csv")
     p.add_argument("--entries", type=int, default=10_000, help="number of entries (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--topics", type=int, default=4, help="number of topics (default 4)")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("demo", help="run the demo workload through the transaction engine")
+    p = sub.add_parser("demo", help="run the demo workload through the transaction engine",
+                       description="Runs concurrent transactional producers through the transaction engine, which "
+                       "writes their entries into the warehouse's ledgers.")
     p.add_argument("--producers", type=int, default=4, help="concurrent producers (default 4)")
     p.add_argument("--transactions", type=int, default=20, help="transactions per producer (default 20)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
@@ -557,9 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Prints one line per entry: position, tier, transaction, key, payload. A payload "
                        "prints as text when it is printable UTF-8 (no newline or tab), otherwise as a Python bytes "
                        f"literal (b'...'); either is cut at {PAYLOAD_CHARS} characters, then '...'.")
-    p.add_argument("topic")
-    p.add_argument("--from", dest="from_position", default="-1:-1", metavar="L:E",
-                   help="start position, inclusive (default: the beginning); a filtered-out position starts at the next entry")
+    p.add_argument("topic", help="the topic (partition) to read, e.g. orders-partition-0")
+    p.add_argument("--from", dest="from_position", default="earliest", metavar="L:E",
+                   help="start position, inclusive: L:E, L:-1 (before ledger L's first entry) or earliest (-1:-1, the "
+                   "default); a filtered-out position starts at the next entry")
     p.add_argument("--max", type=int, default=None, metavar="N", help="at most N entries (default all)")
     p.set_defaults(func=cmd_read)
 
@@ -583,8 +603,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _attach_positions(argv: Sequence[str]) -> list[str]:
+    """`--from -1:-1` as `--from=-1:-1`: argparse takes a value starting with '-' for an option (it
+    knows only plain negative numbers), and no option holds a ':'."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] == "--from" and arg.startswith("-") and ":" in arg:
+            out[-1] = f"--from={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_attach_positions(sys.argv[1:] if argv is None else argv))
     try:
         return args.func(args)
     except TxnlakeError as exc:

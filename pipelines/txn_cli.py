@@ -16,18 +16,27 @@ LIST_STATES = (*TXN_STATES, "PARTIALLY_COMMITTED", "MIXED")
 
 
 def add_txn_parser(sub, handler) -> None:
-    p = sub.add_parser("txn", help="inspect and abort transactions (txn_log and ledgers)")
+    p = sub.add_parser("txn", help="inspect and abort transactions (txn_log and ledgers)",
+                       description="The operators' transaction tools: list, describe, find hanging and abort "
+                       "transactions, from txn_log and the ledgers.")
     txn_sub = p.add_subparsers(dest="txn_command", required=True)
-    q = txn_sub.add_parser("list", help="every known transaction, from txn_log and from the ledgers")
+    q = txn_sub.add_parser("list", help="every known transaction, from txn_log and from the ledgers",
+                           description="Lists every known transaction: state, source, transactional id, start, topics.")
     q.add_argument("--state", type=str.upper, choices=LIST_STATES, metavar="STATE",
                    help=f"only this state (any case), one of {', '.join(LIST_STATES)}")
     q.add_argument("--limit", type=non_negative(int), default=100, help="rows to print (default 100)")
-    q = txn_sub.add_parser("describe", help="one transaction: state, topics, history")
+    q = txn_sub.add_parser("describe", help="one transaction: state, topics, history",
+                           description="Prints one transaction: its state, producer, timeout, its state on each "
+                           "topic and its txn_log history.")
     q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
-    q = txn_sub.add_parser("find-hanging", help="open past their timeout, or holding a stable position back")
+    q = txn_sub.add_parser("find-hanging", help="open past their timeout, or holding a stable position back",
+                           description="Lists transactions open past their timeout, or holding a topic's stable "
+                           "position back longer than --held-back.")
     q.add_argument("--held-back", type=non_negative(float), default=300.0, metavar="SECONDS",
                    help="report transactions holding a topic's stable position back longer than this (default 300)")
-    q = txn_sub.add_parser("abort", help="abort a transaction (ABORT markers), recorded with who/why in txn_log")
+    q = txn_sub.add_parser("abort", help="abort a transaction (ABORT markers), recorded with who/why in txn_log",
+                           description="Aborts a transaction: writes its ABORT markers through the engine and "
+                           "records who and why in txn_log.")
     q.add_argument("txn_id", help="MOST_BITS:LEAST_BITS, e.g. 0:42")
     q.add_argument("--who", default=getpass.getuser(), help="operator name (default: the current user)")
     q.add_argument("--why", required=True, help="reason, recorded in txn_log")

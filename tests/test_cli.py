@@ -120,6 +120,40 @@ def test_payloads_print_on_one_line():
     assert bytes(range(200, 256)).startswith(ast.literal_eval(cut[:-3]))
 
 
+def test_every_command_says_what_it_does_and_what_its_arguments_are():
+    import argparse
+
+    from pipelines.cli import build_parser
+
+    def commands(parser, path):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        for sub in subs:
+            for name, child in sub.choices.items():
+                yield from commands(child, f"{path} {name}")
+        if not subs:
+            yield path, parser
+
+    found = dict(commands(build_parser(), "txnlake"))
+    assert {"txnlake run", "txnlake read", "txnlake txn abort"} <= set(found)
+    for path, parser in found.items():
+        assert parser.description, f"`{path} --help` has no description"
+        for action in parser._actions:
+            assert action.help, f"`{path} --help`: {action.dest} has no help line"
+
+
+def test_read_start_positions():
+    from pipelines.cli import _attach_positions
+    from txn_engine.positions import EARLIEST, Position, start_position
+
+    assert _attach_positions(["read", "t", "--from", "-1:-1", "--max", "2"]) == ["read", "t", "--from=-1:-1", "--max", "2"]
+    assert _attach_positions(["read", "t", "--from", "3:0", "--max", "-1"]) == ["read", "t", "--from", "3:0", "--max", "-1"]
+    assert start_position("earliest") == start_position(" Earliest") == start_position("-1:-1") == EARLIEST
+    assert start_position("3:-1") == Position(3, -1) and start_position("3:0") == Position(3, 0)
+    for bad, why in [("x", "not a position"), ("3:", "not a position"), ("-5:0", "out of range"), ("3:-2", "out of range")]:
+        with pytest.raises(ValueError, match=why):
+            start_position(bad)
+
+
 def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_path, monkeypatch):
     from pipelines.partitions import LEDGER_PARTITIONS
     from txn_engine.positions import ledger_partition_key

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from assets.offload import tier_holds_only_committed_data
 from pipelines.cli import main
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables, oracle_read
 from tests.rows import write_jsonl
@@ -60,14 +61,28 @@ def test_reading_batch_by_batch_never_loops(offloaded):
     assert seen == positions(reader.read("t"))
 
 
-def test_offloaded_data_is_not_limited_by_the_max_read_position(offloaded, tmp_path):
-    # committed_entries is left as computed before D committed (stable 2:3); the offload decides
-    # from ledger_entries, so t/2 and t/3 go cold and are readable past that stale stable position.
+def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tmp_path, dagster_resources, capsys):
+    # D commits in ledger 4 and ledger 3 (D's second entry, then plain) is offloaded, decided from
+    # ledger_entries, before the buffer's tables catch up (published stable 2:3, D ongoing from 2:4).
     ingest_files(offloaded, [str(write_jsonl(tmp_path / "d.jsonl", COMMIT_D))])
-    assert sorted(offload_ledgers(offloaded).offloaded) == [("t", 2), ("t", 3)]
-    got = positions(TopicReader(offloaded).read("t", Position(2, 0)))
-    assert got == [(2, 0, "cold"), (2, 1, "cold"), (2, 4, "cold"), (3, 0, "cold"), (3, 1, "cold")]
-    assert [(l, e) for l, e, _ in positions(TopicReader(offloaded).read("t"))] == oracle_read(HISTORY + COMMIT_D, "t")[:-1]
+    assert offload_ledgers(offloaded, [3]).offloaded == [("t", 3)]
+    # The cold 3:0 would be half of D, and 2:4 skipped for good: both tiers stop at 2:3, as before
+    # the offload, and `txnlake read` says the view is behind the log.
+    assert main(["read", "t"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split("\t")[:2] for line in out.splitlines()] == [
+        ["1:0", "cold"], ["1:1", "cold"], ["2:0", "hot"], ["2:1", "hot"], ["-- 4 entries; continue with --from 2:2"]]
+    assert "behind the log (ledger_entries reaches 4:1)" in err and "run `txnlake run`" in err
+    reader = TopicReader(offloaded)
+    assert reader.behind_log("u") is None
+    # The tier is right, and its check says so although txn_markers does not know D's COMMIT yet.
+    check = tier_holds_only_committed_data(**{k: dagster_resources[k] for k in ("spark", "warehouse")})
+    assert check.passed, check.metadata
+    derive_buffer_tables(offloaded)  # `txnlake run`
+    rest = positions(reader.read("t", Position(2, 2)))
+    assert rest == [(2, 4, "hot"), (3, 0, "cold"), (3, 1, "cold"), (4, 0, "hot")]
+    assert [(1, 0), (1, 1), (2, 0), (2, 1)] + [(l, e) for l, e, _ in rest] == oracle_read(HISTORY + COMMIT_D, "t")
+    assert reader.behind_log("t") is None
 
 
 def test_reader_errors(warehouse):
@@ -89,3 +104,11 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     assert out[0].startswith("2:0\thot\ttxn=1:3") and out[1].startswith("2:1\thot") and "continue with --from 2:2" in out[2]
     assert main(["read", "t", "--from", "one"]) == 2
     assert "write it as LEDGER_ID:ENTRY_ID" in capsys.readouterr().err
+    # Positions as the help writes them: -1:-1 (the beginning) and L:-1 (before ledger L's first entry).
+    assert main(["read", "t", "--from", "-1:-1", "--max", "1"]) == 0
+    assert capsys.readouterr().out.startswith("1:0\tcold")
+    assert main(["read", "t", "--from", "2:-1", "--max", "1"]) == 0
+    assert capsys.readouterr().out.startswith("2:0\thot")
+    for bad in ("-5:0", "3:-2", "-1:0"):
+        assert main(["read", "t", "--from", bad]) == 2
+        assert f"--from {bad} is out of range: write it as LEDGER_ID:ENTRY_ID" in capsys.readouterr().err

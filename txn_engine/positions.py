@@ -56,6 +56,27 @@ def checked_position(value: object, what: str = "position") -> Position:
                      f"LEDGER_ID:ENTRY_ID like 12:40, got {value!r}")
 
 
+def start_position(value: str, what: str = "start position") -> Position:
+    """Where a read starts, as a user types it: `earliest` or -1:-1 (EARLIEST: the beginning), an
+    entry's `L:E`, or `L:-1`, the position before (L, 0) (the brief's words), which the read's
+    `position >= start` starts at (L, 0). Anything else gets the `checked_position` style of error."""
+    if value.strip().lower() == "earliest":
+        return EARLIEST
+    try:
+        position = Position.parse(value)
+    except ValueError as exc:
+        raise ValueError(f"{what}: {exc}, or earliest for the beginning") from None
+    if position == EARLIEST:
+        return position
+    if position.entry_id == -1 and 0 <= position.ledger_id <= INT64_MAX:
+        return position
+    if not all(0 <= i <= INT64_MAX for i in position):
+        raise ValueError(f"{what} {position} is out of range: write it as LEDGER_ID:ENTRY_ID with ids between 0 and "
+                         f"{INT64_MAX} (an entry id of -1 starts at the ledger's first entry), or earliest (-1:-1) "
+                         "for the beginning")
+    return position
+
+
 def position_before(position: Position, previous_ledger_last: Position | None) -> Position:
     """The position just before `position`, as Pulsar's managed ledger defines it.
 

@@ -1,14 +1,23 @@
 """Reading a topic across the hot ledgers and the offload tier, in ledger order (the offload seed).
 
 Offloaded ledgers (those with an `offload_manifest` row) are read from `offloaded_entries`; the
-others from `committed_entries` in ledger order (`WHERE in_stable_prefix`). To the reader the
-two are one log with gaps where filtering removed markers, aborted data and duplicates.
+others from `committed_entries`, in ledger order. To the reader the two are one log with gaps
+where filtering removed markers, aborted data and duplicates.
 
 - A start position that filtering removed is not looked up entry by entry (the seed's ReadHandle
   walked back to the index before a missing entry and looped): the read is a range predicate,
   `position >= from`, so it starts at the next kept entry, whichever tier holds it.
-- Offloaded data is not limited by the max read position: everything in the tier was decided
-  when it was offloaded. Hot data is, through `in_stable_prefix`.
+- Both tiers are limited by one position: the topic's published stable position
+  (`stable_positions`, read before the entries). The offloader decides from `ledger_entries`,
+  which may be newer than the buffer's tables (an ingest since the last `txnlake run`): a ledger
+  it offloaded may then lie past what the hot view can show before it, and reading it would show
+  half of a transaction and skip the hot entries before it for good. Limited the same way, an
+  offload never changes what a reader sees; the tier's ledgers show once the buffer catches up.
+  (In Pulsar the broker's max read position is always current, so offloaded data, always below
+  it, needs no limit: the seed's "not subject to MaxReadPosition".) Read first, the stable
+  position is never newer than the `committed_entries` read after it (a buffer run writes
+  `stable_positions` after the rows), and every entry at or below it is decided there, so
+  `position <= stable` is `in_stable_prefix` of those rows.
 - Hot rows of an offloaded ledger (before retention deletes them) are never read twice: the
   manifest decides which tier a ledger is read from.
 """
@@ -17,14 +26,25 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pyarrow.compute as pc
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_jobs import has_sequence, position_lt
+from txn_engine.buffer_jobs import has_sequence, position_le, position_lt
+from txn_engine.delta_io import DeltaTables
 from txn_engine.errors import TableMissingError, TxnlakeError
+from txn_engine.ledgers import ledger_ranges
 from txn_engine.offload import offloaded_ledgers
 from txn_engine.positions import EARLIEST, Position
-from txn_engine.schema import COMMITTED_ENTRIES, LEDGER_ENTRY_COLUMNS, OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA
+from txn_engine.schema import (
+    COMMITTED_ENTRIES,
+    LEDGER_ENTRIES,
+    LEDGER_ENTRY_COLUMNS,
+    OFFLOADED_ENTRIES,
+    OFFLOADED_ENTRIES_SCHEMA,
+    STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
+)
 from txn_engine.warehouse import Warehouse
 
 HOT, COLD = "hot", "cold"
@@ -50,17 +70,42 @@ class TopicReader:
     def __init__(self, warehouse: Warehouse):
         self.warehouse = warehouse
 
+    def published(self, topic: str) -> dict | None:
+        """The topic's `stable_positions` row (max read and last position of the buffer's view), or
+        None when the view holds no such topic. A row per topic, by delta-rs (no Spark job)."""
+        wh = self.warehouse
+        for table in (STABLE_POSITIONS, COMMITTED_ENTRIES):
+            if not wh.exists(table):
+                raise TableMissingError(
+                    f"table {table} does not exist yet at {wh.path(table)}; "
+                    "materialize the transaction buffer first (`txnlake run`)."
+                )
+        rows = DeltaTables(wh).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()
+        return next((r for r in rows if r["topic"] == topic), None)
+
+    def behind_log(self, topic: str) -> Position | None:
+        """The topic's last position in `ledger_entries` when the buffer's view (`stable_positions`'
+        last position) does not reach it yet: entries ingested since the last `txnlake run`, which no
+        read shows until then. None when the view is up to date. Delta-rs and Arrow, no Spark job."""
+        if not self.warehouse.exists(LEDGER_ENTRIES):
+            return None
+        ranges = ledger_ranges(self.warehouse).filter(pc.field("topic") == topic).to_pylist()
+        if not ranges:
+            return None
+        last = max(Position(r["ledger_id"], r["last_entry_id"]) for r in ranges)
+        view = self.published(topic)
+        return last if view is None or last > Position(view["last_ledger_id"], view["last_entry_id"]) else None
+
     def frame(self, topic: str, from_position: Position = EARLIEST) -> DataFrame:
         """The topic's readable entries at or after `from_position`, with a `tier` column (unordered)."""
         wh = self.warehouse
-        if not wh.exists(COMMITTED_ENTRIES):
-            raise TableMissingError(
-                f"table {COMMITTED_ENTRIES} does not exist yet at {wh.path(COMMITTED_ENTRIES)}; "
-                "materialize the transaction buffer first (`txnlake run`)."
-            )
+        view = self.published(topic)  # before the entries: see the module doc
         cold_ids = sorted(ledger for _, ledger in offloaded_ledgers(wh, topic))
         at_or_after = ~position_lt(F.col("ledger_id"), F.col("entry_id"), F.lit(from_position.ledger_id), F.lit(from_position.entry_id))
-        mine = (F.col("topic") == topic) & at_or_after
+        stable = F.lit(False) if view is None else position_le(
+            F.col("ledger_id"), F.col("entry_id"), F.lit(view["max_read_ledger_id"]), F.lit(view["max_read_entry_id"]))
+        # The one read limit, whichever tier holds the entry.
+        mine = (F.col("topic") == topic) & at_or_after & stable
         cold = (
             wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
             .where(mine & F.col("ledger_id").isin(cold_ids))
@@ -68,7 +113,7 @@ class TopicReader:
         )
         hot = (
             wh.read(COMMITTED_ENTRIES)
-            .where(mine & F.col("in_stable_prefix") & ~F.col("ledger_id").isin(cold_ids))
+            .where(mine & ~F.col("ledger_id").isin(cold_ids))
             .select(*LEDGER_ENTRY_COLUMNS, F.lit(HOT).alias("tier"))
         )
         # Once retention deleted a ledger, a recomputed hot view no longer knows that a retried
