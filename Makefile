@@ -30,7 +30,7 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 	@if [ ! -d "$(TXNLAKE_WAREHOUSE)/ledger_entries/_delta_log" ]; then \
 		echo "== empty warehouse: generating $(DEMO_ENTRIES) demo entries"; \
 		mkdir -p $(dir $(DEMO_FILE)); \
-		$(VENV)/bin/txnlake generate --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
+		$(VENV)/bin/txnlake generate --force --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake ingest $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake demo || exit 1; \
 	fi

@@ -8,7 +8,7 @@ from assets.metadata import table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.delta_io import overwrite_small
-from txn_engine.ingest import ingest_files
+from txn_engine.ingest import gap_warnings, ingest_files
 from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
@@ -49,6 +49,8 @@ def ingest_ledger_entries(
     summary = ingest_files(wh, config.paths)
     for line in summary.lines():
         context.log.info(line)
+    if summary.entry_id_gaps:
+        context.log.warning("\n".join(gap_warnings(summary.entry_id_gaps)))
     common = {
         "ingest_id": summary.ingest_id,
         "files": MetadataValue.json(summary.files),
@@ -57,7 +59,10 @@ def ingest_ledger_entries(
         "rows_already_present": summary.rows_already_present,
         "rows_repeated_in_input": summary.rows_repeated_in_input,
         "rows_quarantined": summary.rows_quarantined,
+        "rows_in_deleted_ledgers": summary.rows_in_deleted_ledgers,
         "quarantine_by_rule": MetadataValue.json(summary.quarantine_by_rule),
+        # A warning, not an error: ledgers written to whose entry ids are not dense.
+        "entry_id_gaps": MetadataValue.json(summary.entry_id_gaps),
     }
     yield MaterializeResult(asset_key=LEDGER_ENTRIES, metadata=table_metadata(wh, LEDGER_ENTRIES, **common))
     yield MaterializeResult(asset_key=QUARANTINE_ENTRIES, metadata=table_metadata(wh, QUARANTINE_ENTRIES, **common))

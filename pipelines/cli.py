@@ -143,6 +143,7 @@ def _print_materializations(*results) -> None:
 def cmd_ingest(args: argparse.Namespace) -> int:
     from dagster import AssetSelection
 
+    from txn_engine.ingest import gap_warnings
     from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
     result = _materialize(
@@ -155,9 +156,12 @@ def cmd_ingest(args: argparse.Namespace) -> int:
         f"ingested {len(meta['files'])} file(s): {meta['rows_read']} rows read, "
         f"{meta['rows_written']} appended, {meta['rows_already_present']} already present, "
         f"{meta['rows_repeated_in_input']} repeated in input, {meta['rows_quarantined']} quarantined"
+        + (f", {meta['rows_in_deleted_ledgers']} of ledgers retention deleted (skipped)" if meta["rows_in_deleted_ledgers"] else "")
     )
     for rule, n in sorted(meta["quarantine_by_rule"].items()):
         print(f"  quarantined {n} x {rule}")
+    for line in gap_warnings(meta["entry_id_gaps"]):
+        print(line)
     _print_materializations(result)
     return 0
 
@@ -259,7 +263,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from txn_engine.generate import generate_ledger_file
 
     started = time.perf_counter()
-    summary = generate_ledger_file(args.out, entries=args.entries, seed=args.seed, topics=args.topics)
+    summary = generate_ledger_file(args.out, entries=args.entries, seed=args.seed, topics=args.topics, overwrite=args.force)
     print(f"wrote {args.out} in {time.perf_counter() - started:.1f}s: {summary}")
     return 0
 
@@ -559,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--entries", type=int, default=10_000, help="number of entries (default 10000)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--topics", type=int, default=4, help="number of topics (default 4)")
+    p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="run the demo workload through the transaction engine",

@@ -455,3 +455,15 @@ def test_200k_entries_parquet_at_scale(tmp_path):
     same_topic = topic[1:] == topic[:-1]
     assert (np.diff(t)[same_topic] > 0).all()
     assert (np.diff(entry)[same_topic & (ledger[1:] == ledger[:-1])] == 1).all()
+
+
+def test_cli_refuses_to_overwrite_an_existing_file_without_force(tmp_path, capsys):
+    from pipelines.cli import main
+
+    out = tmp_path / "mine.jsonl"
+    out.write_text("existing\n")
+    assert main(["generate", "--entries", "10", str(out)]) == 2
+    assert "already exists; generate does not overwrite a file unless asked: pass --force" in capsys.readouterr().err
+    assert out.read_text() == "existing\n"
+    assert main(["generate", "--entries", "10", "--force", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 10

@@ -123,6 +123,10 @@ BAD_ROWS = [
     ({"payload": "plain text payload"}, "type",
      "payload is not base64: 'plain text payload'; a payload in JSONL or CSV (or a Parquet string column) must be base64"),
     ({"topic": ""}, "missing", "topic is missing or empty"),
+    # A JSON value of another type for a string column is not its text ('123', '{"a":1}').
+    ({"topic": 123}, "type", "topic must be a JSON string, got 123 (bigint); write it as a JSON string"),
+    ({"key": {"a": 1}}, "type", 'key must be a JSON string, got {"a":1} (object)'),
+    ({"topic": " t"}, "topic_whitespace", "topic ' t' starts or ends with whitespace; topic names are compared exactly"),
     ({"entry_id": None}, "missing", "entry_id is missing"),
 ]
 
@@ -134,11 +138,12 @@ def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
     bad_rows = [{**entry("t", 1, i + 1), **change} for i, (change, _, _) in enumerate(BAD_ROWS)]
     path = write_jsonl(tmp_path / "in.jsonl", [entry("t", 1, 0)] + bad_rows)
     pq.write_table(pa.table({
-        "topic": ["t"] * 3, "ledger_id": pa.array([2.0, 2.5, 2.0]), "entry_id": pa.array([0, 1, 2], pa.int64()),
-        "entry_type": ["DATA"] * 3, "publish_time": pa.array([1767225600000, 1767225600000, 1767225600], pa.int64()),
+        "topic": ["t"] * 4, "ledger_id": pa.array([2.0, 2.5, 2.0, 2.0]), "entry_id": pa.array([0, 1, 2, 3], pa.int64()),
+        "entry_type": ["DATA"] * 4, "publish_time": pa.array([1767225600000, 1767225600000, 1767225600, 1767225600000], pa.int64()),
+        "key": pa.array([None, None, None, b"\xff\xfe"], pa.binary()),  # not UTF-8: was stored as U+FFFD
     }), tmp_path / "in.parquet")
     summary = ingest_files(warehouse, [str(path), str(tmp_path / "in.parquet")])
-    assert (summary.rows_written, summary.rows_quarantined) == (2, len(BAD_ROWS) + 2)
+    assert (summary.rows_written, summary.rows_quarantined) == (2, len(BAD_ROWS) + 3)
     rows = quarantine(warehouse)
     by_line = {row.line: row for row in rows if row.source_file.endswith("in.jsonl")}
     assert sorted(by_line) == list(range(2, len(BAD_ROWS) + 2))
@@ -149,8 +154,9 @@ def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
     assert [(r.line, r.rule, r.reason.split(";")[0]) for r in rows if r.source_file.endswith("in.parquet")] == [
         (2, "type", "ledger_id has type double, expected bigint"),
         (3, "publish_time_range", "publish_time must be in [2000-01-01, 2262-04-11) UTC, got 1767225600 (read as 1970-01-21 10:53:45.6 UTC)"),
+        (4, "type", "key must be UTF-8 text, but this Parquet binary value is not valid UTF-8"),
     ]
-    assert summary.quarantine_by_rule == Counter([r for _, r, _ in BAD_ROWS] + ["type", "publish_time_range"])
+    assert summary.quarantine_by_rule == Counter([r for _, r, _ in BAD_ROWS] + ["type", "publish_time_range", "type"])
     assert stored(warehouse) == [
         ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x")),
         ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None),
@@ -202,7 +208,9 @@ def test_different_row_at_stored_position_is_quarantined_never_overwrites(wareho
     before = stored(warehouse)
     changed = {**GOOD[0], "key": "changed"}
     micros = {**GOOD[1], "publish_time": 1767225600000000}  # a unit mistake at a stored position
-    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [changed, entry("orders-0", 5, 1), micros]))])
+    # orders-0/3 is no longer its topic's last ledger (CLOSED only by derivation): still appendable,
+    # files may arrive out of order.
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [changed, entry("orders-0", 3, 3), micros]))])
     assert (summary.rows_written, summary.rows_quarantined) == (1, 2)
     conflict, out_of_range = quarantine(warehouse)
     assert conflict.rule == "position_conflict"
@@ -232,6 +240,27 @@ def test_several_files_and_a_folder(warehouse, tmp_path):
     assert len(summary.files) == 2 and summary.rows_written == 6
 
 
+def test_pandas_parquet_nanosecond_times_are_read_and_entry_id_gaps_are_warned(warehouse, tmp_path):
+    # pandas and pyarrow write timestamp[ns] by default, which Spark reads only as raw INT64.
+    times = [dt.datetime(2026, 1, 1, 1, 2, 3, 456789), dt.datetime(2026, 1, 2), dt.datetime(2026, 1, 3)]
+    rows = [entry("t", 1, 0), entry("t", 1, 1), entry("t", 1, 5)]
+    path = write_parquet(tmp_path / "pandas.parquet", rows, pa.array(times, pa.timestamp("ns")))
+    summary = ingest_files(warehouse, [str(path)])
+    assert (summary.rows_written, summary.rows_quarantined) == (3, 0)
+    assert [r[9] for r in stored(warehouse)] == times
+    # Entries 2..4 missing: stored (a compacted export may have gaps) but reported.
+    assert summary.entry_id_gaps == [
+        {"topic": "t", "ledger_id": 1, "first_entry_id": 0, "last_entry_id": 5, "entry_count": 3, "missing": 3}]
+    assert "  warning: entry ids not dense in 1 ledger(s)" in "\n".join(summary.lines())
+    assert "    t/1: 3 id(s) missing in 0..5 (3 entries)" in summary.lines()
+
+
+def misspelled_parquet(folder):
+    pq.write_table(pa.table({"topic": ["t"], "ledger_id": [9], "entry_id": [0], "entry_type": ["DATA"], "Key": ["k"]}),
+                   folder / "typo.parquet")
+    return folder / "typo.parquet"
+
+
 @pytest.mark.parametrize(
     "make_path,message",
     [
@@ -239,8 +268,16 @@ def test_several_files_and_a_folder(warehouse, tmp_path):
         (lambda p: (p / "data.txt").write_text("x") and p / "data.txt", "unknown format"),
         (lambda p: (p / "broken.parquet").write_bytes(b"not parquet at all") and p / "broken.parquet", "cannot read"),
         (lambda p: (p / "h.csv").write_text("topic,ledger_id\nt,1\n") and p / "h.csv", "no column(s) entry_id, entry_type"),
+        # An unknown column would be dropped: a misspelled txn id makes the rows non-transactional.
+        (lambda p: write_jsonl(p / "typo.jsonl", [entry("t", 9, 0), {**entry("t", 9, 1), "txnMostBits": 0}]),
+         "typo.jsonl has unknown column(s) txnMostBits (first on line 2); ingest knows only the ledger_entries columns "
+         "(topic, ledger_id, entry_id, entry_type, txn_most_bits, txn_least_bits, producer_id, producer_epoch, sequence_id, "
+         "publish_time, key, payload; topic, ledger_id, entry_id, entry_type required, the others optional) and would drop "
+         "the values of any other. Rename or remove them (did you mean txnMostBits -> txn_most_bits"),
+        (misspelled_parquet, "typo.parquet has unknown column(s) Key; ingest knows only"),
     ],
-    ids=["missing", "unknown-format", "unreadable-parquet", "csv-missing-columns"],
+    ids=["missing", "unknown-format", "unreadable-parquet", "csv-missing-columns", "jsonl-unknown-column",
+         "parquet-unknown-column"],
 )
 def test_file_level_errors_write_nothing(warehouse, tmp_path, make_path, message):
     good = write_jsonl(tmp_path / "good.jsonl", GOOD)

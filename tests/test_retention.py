@@ -25,7 +25,7 @@ from txn_engine.delta_io import DeltaTables, arrow_schema
 from txn_engine.engine import Engine
 from txn_engine.ledger_writer import RolloverPolicy
 from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import current_ledger_catalog
+from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
 from txn_engine.reader import TopicReader
 from pipelines.cli import main
@@ -47,6 +47,7 @@ from txn_engine.schema import (
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     LEDGERS,
+    QUARANTINE_ENTRIES,
     RECOVERED_BUFFER_STATE,
     TXN_MARKERS,
 )
@@ -83,9 +84,31 @@ def offloaded(prepared):
     return prepared("retention-offloaded", offload_full)
 
 
-def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloaded):
+def quarantined(wh):
+    return sorted((r.topic, r.ledger_id, r.entry_id, r.rule, r.reason) for r in wh.read(QUARANTINE_ENTRIES).collect())
+
+
+def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloaded, tmp_path):
     wh = offloaded
     assert aborts(wh.read(ABORTED_TXNS)) == [("t", 1, 2, 1, 4), ("t", *G, 4, 3)]
+    # Late entries into ledgers that take none: t/2 is OFFLOADED (appended now, the entry would be in
+    # no tier once retention deletes the ledger), u/6 recorded CLOSED as the engine does on rollover
+    # (immutable, as in BookKeeper). An entry already stored in an offloaded ledger is just present.
+    record_ledger_states(wh, [("u", 6, "CLOSED", "rollover: test")])
+    entries_before = wh.read(LEDGER_ENTRIES).count()
+    late = ingest_files(wh, [str(write_jsonl(tmp_path / "late.jsonl", [
+        entry("t", 2, 5, payload=b"late"), entry("u", 6, 2, payload=b"late"), entry("t", 3, 1, payload=b"t-3-1")]))])
+    assert (late.rows_written, late.rows_already_present, late.quarantine_by_rule) == (
+        0, 1, {"ledger_offloaded": 1, "ledger_closed": 1})
+    assert wh.read(LEDGER_ENTRIES).count() == entries_before
+    assert quarantined(wh) == [
+        ("t", 2, 5, "ledger_offloaded", "ledger t/2 is OFFLOADED (recorded in ledger_states): the offload tier holds its "
+         "copy and retention deletes its hot rows, so entry 5 appended now would exist nowhere after retention; write the "
+         "entry to a new ledger of the topic (a higher ledger_id) and ingest it again"),
+        ("u", 6, 2, "ledger_closed", "ledger u/6 was closed by the transaction engine (recorded CLOSED in ledger_states) "
+         "and a closed ledger is immutable, as in BookKeeper: entry 2 cannot be added; write the entry to a new ledger of "
+         "the topic (a higher ledger_id) and ingest it again"),
+    ]
     before = {t: read_positions(wh, t) for t in ("t", "u")}
     assert before["t"] == oracle_read(FULL, "t")
     catalog_before = {(r.topic, r.ledger_id): r.asDict() for r in current_ledger_catalog(wh).collect()}
@@ -132,6 +155,21 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     # Applying the policy again deletes nothing more.
     again = apply_retention(wh, RetentionPolicy(keep_ledgers=1))
     assert again.deleted == [] and again.finished == []
+
+    # Ingesting the whole history again brings no deleted ledger back: their 14 rows are counted
+    # apart, the rest is present; a new entry past a deleted ledger's range is quarantined. A re-run
+    # adds no duplicate to the quarantine.
+    again_file = str(write_jsonl(tmp_path / "again.jsonl", FULL + [entry("t", 1, 5)]))
+    for _ in range(2):
+        summary = ingest_files(wh, [again_file])
+        assert (summary.rows_written, summary.rows_in_deleted_ledgers, summary.rows_already_present,
+                summary.quarantine_by_rule) == (0, 14, len(FULL) - 14, {"ledger_deleted": 1})
+        assert ledger_keys(wh.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 6), ("u", 7), ("v", 8)]
+        assert quarantined(wh)[0] == (
+            "t", 1, 5, "ledger_deleted", "ledger t/1 was deleted by retention (DELETED in ledger_states/deleted_ledgers) "
+            "and takes no new entries; entry 5 is outside the range it held (0..4); write the entry to a new ledger of "
+            "the topic (a higher ledger_id) and ingest it again")
+        assert len(quarantined(wh)) == 3
 
     # This warehouse has no buffer state (its tables were derived statelessly), so nothing recorded
     # whether t/4:4 repeats a send of the deleted ledgers: the engine's consumer refuses, it does not guess.

@@ -144,16 +144,24 @@ def topic_names(n: int) -> list[str]:
     return [f"{_TOPIC_BASES[b]}-partition-{p}" for b in range(bases) for p in range(per_base)][:n]
 
 
-def generate_ledger_file(out_path: str | Path, entries: int, seed: int, topics: int = 4) -> GenerateSummary:
+def generate_ledger_file(
+    out_path: str | Path, entries: int, seed: int, topics: int = 4, overwrite: bool = True
+) -> GenerateSummary:
     """Write `entries` ledger entries over `topics` topics to `out_path` (.parquet, .jsonl or .csv).
 
     The same arguments give a byte-identical file. See the module docstring for what is in it.
+    An existing `out_path` is replaced only when `overwrite` (`txnlake generate` asks for --force).
     """
     path = Path(out_path)
     fmt = format_of(path)
     for name, value, least in (("entries", entries, 0), ("topics", topics, 1), ("seed", seed, 0)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
             raise GenerateArgumentError(f"{name} must be an integer >= {least}, got {value!r}")
+    if not overwrite and path.exists():
+        raise GenerateArgumentError(
+            f"{path} already exists; generate does not overwrite a file unless asked: pass --force to replace "
+            "it, or name another output file. Nothing was written."
+        )
     log = _generate(int(entries), int(seed), int(topics))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -3,8 +3,9 @@
 Valid rows are appended; each invalid row goes to `quarantine_entries` with the rule it broke,
 a readable reason, its source file and line. Ingest is idempotent by position: a row identical
 to the stored one at its position is skipped, a different row at a stored position is
-quarantined, never overwritten. File-level problems (missing, unknown format, unreadable,
-missing columns) are found before anything is written.
+quarantined, never overwritten. New rows of a ledger recorded CLOSED, OFFLOADED or DELETED are
+not appended (see `classify`). File-level problems (missing, unknown format, unreadable,
+missing or unknown columns) are found before anything is written.
 
 Each file is typed by its own format's rules, so a row is stored the same whatever other files
 share the ingest: JSONL and CSV values are text (integers, ISO-8601 or epoch-millisecond times,
@@ -17,15 +18,21 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import difflib
+import re
 import uuid
 from dataclasses import dataclass, field
 from functools import reduce
 from typing import Sequence
 
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     ByteType,
     DateType,
@@ -39,12 +46,14 @@ from pyspark.sql.types import (
     StructType,
     TimestampNTZType,
     TimestampType,
+    VariantType,
 )
 from pyspark.errors import PySparkException
 from pyspark.sql.utils import AnalysisException
 from py4j.protocol import Py4JJavaError
 
 from txn_engine.errors import InputFileError
+from txn_engine.ledgers import immutable_ledgers, ledger_ranges
 from txn_engine.schema import (
     ENTRY_TYPES,
     LEDGER_ENTRIES,
@@ -76,8 +85,14 @@ _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 # "plain text payload" would decode to bytes nobody wrote.
 _BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 
-# What happened to each input row.
+# What happened to each input row. IN_DELETED_LEDGER: a position a ledger held before retention
+# deleted it (re-ingesting an old file); skipped, since storing it again would resurrect the ledger.
 NEW, PRESENT, REPEATED, QUARANTINED = "NEW", "PRESENT", "REPEATED_IN_INPUT", "QUARANTINED"
+IN_DELETED_LEDGER = "IN_DELETED_LEDGER"
+# String columns of ledger_entries: in JSONL their value must be a JSON string (or null).
+_STRING_COLUMNS = tuple(f.name for f in LEDGER_ENTRIES_SCHEMA.fields if isinstance(f.dataType, StringType))
+# Gap warnings list this many ledgers at most (the count is always complete).
+GAPS_LISTED = 10
 
 
 @dataclass
@@ -89,7 +104,11 @@ class IngestSummary:
     rows_already_present: int = 0
     rows_repeated_in_input: int = 0
     rows_quarantined: int = 0
+    rows_in_deleted_ledgers: int = 0
     quarantine_by_rule: dict[str, int] = field(default_factory=dict)
+    # Ledgers this ingest appended to whose entry ids are not dense (a warning, not an error):
+    # dicts of topic, ledger_id, first_entry_id, last_entry_id, entry_count, missing.
+    entry_id_gaps: list[dict] = field(default_factory=list)
     table_location: str = ""
     quarantine_location: str = ""
 
@@ -99,10 +118,31 @@ class IngestSummary:
             f"  {self.rows_written} appended to ledger_entries ({self.table_location})",
             f"  {self.rows_already_present} already present (skipped), "
             f"{self.rows_repeated_in_input} repeated in the input (skipped)",
-            f"  {self.rows_quarantined} quarantined to quarantine_entries ({self.quarantine_location})",
         ]
+        if self.rows_in_deleted_ledgers:
+            out.append(f"  {self.rows_in_deleted_ledgers} of ledgers retention deleted (skipped, not stored again)")
+        out.append(f"  {self.rows_quarantined} quarantined to quarantine_entries ({self.quarantine_location})")
         out += [f"    {n} x {rule}" for rule, n in sorted(self.quarantine_by_rule.items())]
-        return out
+        return out + gap_warnings(self.entry_id_gaps)
+
+
+def gap_warnings(gaps: list[dict]) -> list[str]:
+    """The warning lines for `IngestSummary.entry_id_gaps` (also printed by `txnlake ingest`)."""
+    if not gaps:
+        return []
+    out = [
+        f"  warning: entry ids not dense in {len(gaps)} ledger(s) written to (BookKeeper numbers a ledger's "
+        "entries 0, 1, 2, ...: a gap means entries missing from the input, or a compacted export). "
+        "Ingest the missing entries if they exist:"
+    ]
+    out += [
+        f"    {g['topic']}/{g['ledger_id']}: {g['missing']} id(s) missing in {g['first_entry_id']}..{g['last_entry_id']} "
+        f"({g['entry_count']} entries)"
+        for g in gaps[:GAPS_LISTED]
+    ]
+    if len(gaps) > GAPS_LISTED:
+        out.append(f"    ... and {len(gaps) - GAPS_LISTED} more ledger(s)")
+    return out
 
 
 @dataclass(frozen=True)
@@ -178,8 +218,13 @@ def read_raw(spark: SparkSession, source: SourceFile) -> DataFrame:
             return _parse_jsonl(lines, source.path)
         return _parse_csv(spark, lines, source.path)
     except (AnalysisException, Py4JJavaError, PySparkException) as exc:
+        hint = ""
+        if "TIMESTAMP(NANOS" in str(exc):
+            hint = ("; write publish_time as timestamp[us] or as int64 epoch milliseconds (pyarrow: "
+                    "pq.write_table(t, path, coerce_timestamps='us', allow_truncated_timestamps=True); "
+                    "pandas: df.to_parquet(path, coerce_timestamps='us', allow_truncated_timestamps=True))")
         raise InputFileError(
-            f"cannot read {source.path} as {source.format}: {_first_line(exc)}; nothing was ingested"
+            f"cannot read {source.path} as {source.format}: {_first_line(exc)}{hint}; nothing was ingested"
         ) from None
 
 
@@ -205,23 +250,59 @@ def _numbered_lines(spark: SparkSession, path: str) -> DataFrame:
     )
 
 
-_STRING_SCHEMA = StructType([StructField(c, StringType(), True) for c in LEDGER_ENTRY_COLUMNS])
+# JSONL values are read as their JSON text, except the string columns: those are read as VARIANT
+# (one parse still) so a number, object or array given for a string is told apart from a string.
+_JSONL_SCHEMA = StructType(
+    [StructField(c, VariantType() if c in _STRING_COLUMNS else StringType(), True) for c in LEDGER_ENTRY_COLUMNS]
+    + [StructField("_corrupt_record", StringType(), True)]
+)
+_UNKNOWN_COLUMNS = ArrayType(StringType())
+
+
+def unknown_columns_error(path: str, unknown: Sequence[str], where: str = "") -> InputFileError:
+    """The file-level error for columns ingest does not know: their values would be dropped silently
+    (a misspelled `txnMostBits` would turn transactional rows non-transactional)."""
+    hints = []
+    for name in unknown:
+        snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower().strip()
+        close = difflib.get_close_matches(snake, LEDGER_ENTRY_COLUMNS, n=1, cutoff=0.75)
+        if close:
+            hints.append(f"{name} -> {close[0]}")
+    return InputFileError(
+        f"{path} has unknown column(s) {', '.join(sorted(unknown))}{where}; ingest knows only the ledger_entries "
+        f"columns ({', '.join(LEDGER_ENTRY_COLUMNS)}; {', '.join(REQUIRED_COLUMNS)} required, the others optional) "
+        "and would drop the values of any other. Rename or remove them"
+        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+        + " and ingest the file again. Nothing was ingested."
+    )
 
 
 def _parse_jsonl(lines: DataFrame, path: str) -> DataFrame:
     lines = lines.filter(F.trim("raw") != "")
-    parsed = F.from_json(
-        "raw",
-        StructType(_STRING_SCHEMA.fields + [StructField("_corrupt_record", StringType(), True)]),
-        {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"},
-    )
+    parsed = F.from_json("raw", _JSONL_SCHEMA, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"})
     malformed = F.col("j._corrupt_record").isNotNull() | ~F.ltrim("raw").startswith("{")
+    columns, value_errors = [], []
+    for c in LEDGER_ENTRY_COLUMNS:
+        if c not in _STRING_COLUMNS:
+            columns.append(F.col(f"j.{c}").alias(c))
+            continue
+        kind = F.expr(f"schema_of_variant(j.{c})")  # STRING, VOID (JSON null), BIGINT, OBJECT<...>, ...
+        text = F.expr(f"try_variant_get(j.{c}, '$', 'string')")
+        columns.append(F.when(kind == "STRING", text).alias(c))
+        value_errors.append(F.when(kind.isNotNull() & ~kind.isin("STRING", "VOID"), F.concat(
+            F.lit(f"type:{c} must be a JSON string, got "), F.substring(text, 1, 60), F.lit(" ("),
+            F.lower(F.split_part(kind, F.lit("<"), F.lit(1))),
+            F.lit("); write it as a JSON string (in double quotes) and ingest the row again"),
+        )))
     return lines.withColumn("j", parsed).select(
         "source_file",
         "line",
         "raw",
         F.when(malformed, F.lit("malformed_line:not a JSON object on one line")).alias("_parse_error"),
-        *[F.col(f"j.{c}").alias(c) for c in LEDGER_ENTRY_COLUMNS],
+        F.filter(F.array(*value_errors), lambda e: e.isNotNull()).alias("_value_errors"),
+        # Keys of the line that are no column: the whole file is refused (ingest_files), not the row.
+        F.array_except(F.json_object_keys("raw"), F.array(*[F.lit(c) for c in LEDGER_ENTRY_COLUMNS])).alias("_unknown_columns"),
+        *columns,
     )
 
 
@@ -236,6 +317,9 @@ def _parse_csv(spark: SparkSession, lines: DataFrame, path: str) -> DataFrame:
             f"{path} has no column(s) {', '.join(missing)} in its header; the header must name "
             f"the ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
         )
+    unknown = [c for c in header if c not in LEDGER_ENTRY_COLUMNS]
+    if unknown:
+        raise unknown_columns_error(path, unknown, " in its header")
     schema = StructType([StructField(f"c{i}", StringType(), True) for i in range(len(header))])
     body = lines.filter((F.col("line") > 1) & (F.trim("raw") != ""))
     parsed = body.withColumn("j", F.from_csv("raw", schema.simpleString(), {"mode": "PERMISSIVE"}))
@@ -257,11 +341,35 @@ def _parse_csv(spark: SparkSession, lines: DataFrame, path: str) -> DataFrame:
                 width.cast("string"),
             ),
         ).alias("_parse_error"),
+        F.lit(None).cast(_UNKNOWN_COLUMNS).alias("_value_errors"),
+        F.lit(None).cast(_UNKNOWN_COLUMNS).alias("_unknown_columns"),
         *[field(c) for c in LEDGER_ENTRY_COLUMNS],
     )
 
 
+# Spark reads no Parquet TIMESTAMP(NANOS) (pandas' and pyarrow's default) but as raw INT64 under
+# this setting; ingest turns those columns back into timestamps (`_read_parquet`).
+_NANOS_AS_LONG = "spark.sql.legacy.parquet.nanosAsLong"
+
+
+def _nanosecond_columns(path: str) -> list[str]:
+    """Columns of a Parquet file stored as TIMESTAMP(NANOS), from its footer (pyarrow: no Spark job).
+    Empty when pyarrow cannot open the path (a file system it does not know): Spark then names the
+    problem itself, and `read_raw` says how to write the file."""
+    try:
+        fs, inner = pafs.FileSystem.from_uri(path)
+        schema = pq.read_schema(inner, filesystem=fs)
+    except Exception:  # noqa: BLE001 - only a shortcut; Spark's read reports real problems
+        return []
+    return [f.name for f in schema if pa.types.is_timestamp(f.type) and f.type.unit == "ns"]
+
+
 def _read_parquet(spark: SparkSession, source: SourceFile) -> DataFrame:
+    nanos = _nanosecond_columns(source.path)
+    if nanos:
+        # Session-wide, and left set: it changes only how Spark reads nanosecond columns, which it
+        # cannot read otherwise; unsetting it could break a concurrent ingest of such a file.
+        spark.conf.set(_NANOS_AS_LONG, "true")
     df = spark.read.parquet(source.path)
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
@@ -269,12 +377,25 @@ def _read_parquet(spark: SparkSession, source: SourceFile) -> DataFrame:
             f"{source.path} has no column(s) {', '.join(missing)}; a Parquet input needs the "
             f"ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
         )
-    columns = [F.col(c) if c in df.columns else F.lit(None).alias(c) for c in LEDGER_ENTRY_COLUMNS]
+    unknown = [c for c in df.columns if c not in LEDGER_ENTRY_COLUMNS]
+    if unknown:
+        raise unknown_columns_error(source.path, unknown)
+
+    def column(c: str) -> Column:
+        if c not in df.columns:
+            return F.lit(None).alias(c)
+        if c in nanos:  # nanoseconds as INT64: to a timestamp (Spark's are microseconds)
+            return F.expr(f"timestamp_micros(`{c}` div 1000)").alias(c)
+        return F.col(c)
+
+    columns = [column(c) for c in LEDGER_ENTRY_COLUMNS]
     return df.select(
         F.lit(source.path).alias("source_file"),
         (F.col("_metadata.row_index") + 1).alias("line"),
         F.lit(None).cast("string").alias("raw"),
         F.lit(None).cast("string").alias("_parse_error"),
+        F.lit(None).cast(_UNKNOWN_COLUMNS).alias("_value_errors"),
+        F.lit(None).cast(_UNKNOWN_COLUMNS).alias("_unknown_columns"),
         *columns,
     )
 
@@ -297,7 +418,23 @@ def validate(raw: DataFrame) -> DataFrame:
 
     t = typed
     errors += [
-        rule("missing", t["topic"].isNull() | (F.trim(t["topic"]) == ""), "topic is missing or empty"),
+        rule(
+            "missing",
+            # A topic of the wrong JSON type has its own reason (in _value_errors).
+            (t["topic"].isNull() & ~F.coalesce(F.exists("_value_errors", lambda e: e.startswith("type:topic ")), F.lit(False)))
+            | (F.trim(t["topic"]) == ""),
+            "topic is missing or empty",
+        ),
+        rule(
+            "topic_whitespace",
+            t["topic"].rlike(r"^\s|\s$") & (F.trim(t["topic"]) != ""),
+            F.concat(
+                F.lit("topic '"), t["topic"], F.lit("' starts or ends with whitespace; topic names are compared "
+                "exactly, so it would be a topic of its own beside '"),
+                F.regexp_replace(t["topic"], r"^\s+|\s+$", ""),
+                F.lit("'. Remove the whitespace and ingest the row again"),
+            ),
+        ),
         rule("missing", t["ledger_id"].isNull() & F.col("ledger_id").isNull(), "ledger_id is missing"),
         rule("missing", t["entry_id"].isNull() & F.col("entry_id").isNull(), "entry_id is missing"),
         rule(
@@ -324,13 +461,14 @@ def validate(raw: DataFrame) -> DataFrame:
         errors.append(rule("negative_id", t[name] < 0, F.concat(F.lit(f"{name} must not be negative, got "), t[name].cast("string"))))
     # A line that did not parse gets that one reason, not the cascade of missing fields.
     problems = F.when(F.col("_parse_error").isNotNull(), F.array(F.col("_parse_error"))).otherwise(
-        F.filter(F.array(*errors), lambda e: e.isNotNull())
+        F.concat(F.coalesce("_value_errors", F.array().cast(_UNKNOWN_COLUMNS)), F.filter(F.array(*errors), lambda e: e.isNotNull()))
     )
     first = problems[0]
     return raw.select(
         "source_file",
         "line",
         "raw",
+        "_unknown_columns",
         # Cast: every file's validated rows have the same schema, so they union as they are.
         *[t[f.name].cast(f.dataType).alias(f.name) for f in LEDGER_ENTRIES_SCHEMA.fields],
         F.when(F.size(problems) > 0, F.split_part(first, F.lit(":"), F.lit(1))).alias("rule"),
@@ -350,7 +488,15 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
     if isinstance(source_type, type(target)) and not isinstance(target, StringType):
         return col, F.lit(None).cast("string")
     if isinstance(target, StringType):
-        return col.cast("string"), F.lit(None).cast("string")
+        if isinstance(source_type, (StringType, NullType)):
+            return col.cast("string"), F.lit(None).cast("string")
+        if isinstance(source_type, BinaryType):  # Parquet binary: kept only as valid UTF-8 text
+            valid = F.expr(f"is_valid_utf8(cast(`{name}` as string))")
+            return F.when(valid, col.cast("string")), F.when(col.isNotNull() & ~valid, F.lit(
+                f"type:{name} must be UTF-8 text, but this Parquet binary value is not valid UTF-8; write "
+                f"{name} as a UTF-8 string (binary data belongs in payload) and ingest the row again"))
+        return F.lit(None).cast("string"), F.when(
+            col.isNotNull(), F.lit(f"type:{name} has type {source_type.simpleString()}, expected string"))
     if not isinstance(source_type, StringType):
         value = F.expr(f"try_cast(`{name}` as {target.simpleString()})")
         bad = col.isNotNull() & value.isNull()
@@ -423,12 +569,16 @@ def _publish_time(name: str, source_type) -> tuple[Column, Column]:
     return F.when(~F.coalesce(out_of_range, F.lit(False)), value), error
 
 
-def classify(validated: DataFrame, existing: DataFrame) -> DataFrame:
-    """Add `status` (NEW, PRESENT, REPEATED_IN_INPUT, QUARANTINED) and position-conflict reasons.
+def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | None = None) -> DataFrame:
+    """Add `status` (NEW, PRESENT, REPEATED_IN_INPUT, IN_DELETED_LEDGER, QUARANTINED) and
+    position-conflict reasons.
 
     The first row of the input at a position (by file, line) is the candidate; an identical
     later row is a harmless repeat, a different one is quarantined. A candidate identical to
-    the stored entry is PRESENT; a different one is quarantined, never overwriting. Pure.
+    the stored entry is PRESENT; a different one is quarantined, never overwriting. A new
+    candidate in a ledger of `immutable` (`ledgers.immutable_ledgers`) is not appended: inside a
+    deleted ledger's former range it is IN_DELETED_LEDGER (an old file ingested again), else
+    quarantined (`ledger_closed`, `ledger_offloaded`, `ledger_deleted`). Pure.
     """
     valid = validated.filter(F.col("rule").isNull())
     order = Window.partitionBy(*POSITION_COLUMNS).orderBy("source_file", "line")
@@ -445,16 +595,51 @@ def classify(validated: DataFrame, existing: DataFrame) -> DataFrame:
     )
     stored = existing.select(*POSITION_COLUMNS, F.struct(*LEDGER_ENTRY_COLUMNS).alias("_stored"))
     joined = in_input.join(stored, list(POSITION_COLUMNS), "left")
+    if immutable is None:
+        joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
+            ("_sealed", "string"), ("_deleted_first", "bigint"), ("_deleted_last", "bigint"))])
+    else:
+        joined = joined.join(F.broadcast(immutable.select(
+            "topic", "ledger_id", F.col("state").alias("_sealed"),
+            F.col("deleted_first_entry_id").alias("_deleted_first"), F.col("deleted_last_entry_id").alias("_deleted_last"),
+        )), ["topic", "ledger_id"], "left")
     position = F.concat_ws(" ", F.col("topic"), F.concat_ws(":", F.col("ledger_id"), F.col("entry_id")))
-    status = (
+    by_position = (
         F.when(F.col("_input_status").isNotNull(), F.col("_input_status"))
         .when(F.col("_stored").isNull(), F.lit(NEW))
         .when(_same_entry(F.col("_stored")), F.lit(PRESENT))
         .otherwise(F.lit(QUARANTINED))
     )
+    new_in_sealed = (by_position == NEW) & F.col("_sealed").isNotNull()
+    status = (
+        F.when(new_in_sealed & (F.col("_sealed") == "DELETED")
+               & F.col("entry_id").between(F.col("_deleted_first"), F.col("_deleted_last")), F.lit(IN_DELETED_LEDGER))
+        .when(new_in_sealed, F.lit(QUARANTINED))
+        .otherwise(by_position)
+    )
     rule = F.when(
         F.col("_input_status") == QUARANTINED, F.lit("position_repeated_in_input")
-    ).when(status == QUARANTINED, F.lit("position_conflict"))
+    ).when(by_position == QUARANTINED, F.lit("position_conflict")).when(
+        status == QUARANTINED, F.concat(F.lit("ledger_"), F.lower("_sealed")))
+    ledger = F.concat_ws("/", F.col("topic"), F.col("ledger_id"))
+    then = F.lit("; write the entry to a new ledger of the topic (a higher ledger_id) and ingest it again")
+    sealed_reason = (
+        F.when(F.col("_sealed") == "OFFLOADED", F.concat(
+            F.lit("ledger "), ledger, F.lit(" is OFFLOADED (recorded in ledger_states): the offload tier holds its copy "
+                                            "and retention deletes its hot rows, so entry "),
+            F.col("entry_id").cast("string"), F.lit(" appended now would exist nowhere after retention"), then))
+        .when(F.col("_sealed") == "CLOSED", F.concat(
+            F.lit("ledger "), ledger, F.lit(" was closed by the transaction engine (recorded CLOSED in ledger_states) and a "
+                                            "closed ledger is immutable, as in BookKeeper: entry "),
+            F.col("entry_id").cast("string"), F.lit(" cannot be added"), then))
+        .otherwise(F.concat(
+            F.lit("ledger "), ledger, F.lit(" was deleted by retention (DELETED in ledger_states/deleted_ledgers) and takes "
+                                            "no new entries; entry "),
+            F.col("entry_id").cast("string"), F.lit(" is outside the range it held"),
+            F.coalesce(F.concat(F.lit(" ("), F.col("_deleted_first").cast("string"), F.lit(".."),
+                                F.col("_deleted_last").cast("string"), F.lit(")")), F.lit("")),
+            then))
+    )
     reason = F.when(
         F.col("_input_status") == QUARANTINED,
         F.concat(
@@ -463,18 +648,18 @@ def classify(validated: DataFrame, existing: DataFrame) -> DataFrame:
             F.col("_first.source_file"), F.lit(":"), F.col("_first.line").cast("string"),
         ),
     ).when(
-        status == QUARANTINED,
+        by_position == QUARANTINED,
         F.concat(
             F.lit("position "), position,
             F.lit(" already holds a different entry in ledger_entries; stored entries are never overwritten"),
         ),
-    )
+    ).when(status == QUARANTINED, sealed_reason)
     checked = joined.select(
-        "source_file", "line", "raw", *LEDGER_ENTRY_COLUMNS,
+        "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         status.alias("status"), rule.alias("rule"), reason.alias("reason"),
     )
     invalid = validated.filter(F.col("rule").isNotNull()).select(
-        "source_file", "line", "raw", *LEDGER_ENTRY_COLUMNS,
+        "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         F.lit(QUARANTINED).alias("status"), "rule", "reason",
     )
     return checked.unionByName(invalid)
@@ -504,17 +689,37 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     # concurrent ingest cannot slip a row in between the check and the write.
     with warehouse.writer(LEDGER_ENTRIES):
         existing = warehouse.read_or_empty(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
-        classified = classify(validated, existing).persist(StorageLevel.MEMORY_AND_DISK)
+        classified = classify(validated, existing, immutable_ledgers(warehouse)).persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            tally = classified.groupBy("status", "rule").agg(F.count("*").alias("n")).collect()
+            # One job: the counts, the ledgers appended to (for the gap check) and unknown columns.
+            is_new = F.col("status") == NEW
+            has_unknown = F.size("_unknown_columns") > 0
+            tally = classified.groupBy(
+                "status", "rule", F.when(is_new, F.col("topic")).alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
+            ).agg(
+                F.count("*").alias("n"),
+                F.collect_set(F.when(has_unknown, F.struct("source_file", "_unknown_columns"))).alias("unknown"),
+                F.min(F.when(has_unknown, F.struct("source_file", "line"))).alias("first_unknown"),
+            ).collect()
+            unknown = sorted({(u["source_file"], c) for r in tally for u in r["unknown"] for c in u["_unknown_columns"]})
+            if unknown:
+                first = min(r["first_unknown"] for r in tally if r["first_unknown"] is not None)
+                raise unknown_columns_error(
+                    first["source_file"], [c for f, c in unknown if f == first["source_file"]],
+                    f" (first on line {first['line']})",
+                )
             counts: dict[str, int] = {}
+            by_rule: dict[str, int] = {}
             for r in tally:
                 counts[r["status"]] = counts.get(r["status"], 0) + r["n"]
-            by_rule = {r["rule"]: r["n"] for r in tally if r["status"] == QUARANTINED}
+                if r["status"] == QUARANTINED:
+                    by_rule[r["rule"]] = by_rule.get(r["rule"], 0) + r["n"]
+            appended_to = {(r["t"], r["l"]) for r in tally if r["status"] == NEW}
             summary.rows_read = sum(counts.values())
             summary.rows_written = counts.get(NEW, 0)
             summary.rows_already_present = counts.get(PRESENT, 0)
             summary.rows_repeated_in_input = counts.get(REPEATED, 0)
+            summary.rows_in_deleted_ledgers = counts.get(IN_DELETED_LEDGER, 0)
             summary.rows_quarantined = counts.get(QUARANTINED, 0)
             summary.quarantine_by_rule = by_rule
             # Quarantine first: if we stop between the two commits, a re-run redoes both and
@@ -532,9 +737,22 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
                 retry_delta_conflicts(
                     lambda: new_rows.write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
                 )
+            if appended_to:
+                summary.entry_id_gaps = entry_id_gaps(warehouse, appended_to)
         finally:
             classified.unpersist()
     return summary
+
+
+def entry_id_gaps(warehouse: Warehouse, ledgers: set[tuple[str, int]]) -> list[dict]:
+    """Of `ledgers`, those whose stored entry ids are not dense (fewer entries than their range
+    spans), by `ledger_ranges`: delta-rs, no Spark job."""
+    gaps = [
+        {**r, "missing": r["last_entry_id"] - r["first_entry_id"] + 1 - r["entry_count"]}
+        for r in ledger_ranges(warehouse).to_pylist()
+        if (r["topic"], r["ledger_id"]) in ledgers and r["last_entry_id"] - r["first_entry_id"] + 1 != r["entry_count"]
+    ]
+    return sorted(gaps, key=lambda g: (g["topic"], g["ledger_id"]))
 
 
 def _write_quarantine(warehouse: Warehouse, classified: DataFrame, ingest_id: str) -> None:

@@ -153,3 +153,21 @@ def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = Non
     recorded states and the deleted ledgers."""
     log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
     return derive_ledger_catalog(log, recorded_ledger_states(warehouse), deleted_ledger_rows(warehouse))
+
+
+def immutable_ledgers(warehouse: Warehouse) -> DataFrame:
+    """Ledgers that take no new entries, for ingest: (topic, ledger_id, state, deleted_first_entry_id,
+    deleted_last_entry_id). State is the recorded CLOSED (the engine's rollover: a closed BookKeeper
+    ledger is immutable), OFFLOADED (the tier holds a copy that new entries would never reach) or
+    DELETED (also any ledger in `deleted_ledgers`, whose range the two last columns give). A ledger
+    CLOSED only by derivation (not its topic's last) is not listed: files may arrive out of order."""
+    states = recorded_ledger_states(warehouse).where(F.col("state").isin("CLOSED", "OFFLOADED", "DELETED"))
+    deleted = deleted_ledger_rows(warehouse).select(
+        "topic", "ledger_id",
+        F.col("first_entry_id").alias("deleted_first_entry_id"), F.col("last_entry_id").alias("deleted_last_entry_id"),
+    )
+    both = states.join(deleted, ["topic", "ledger_id"], "full")
+    # In deleted_ledgers but not (yet) recorded DELETED: retention stopped half-way and finishes it.
+    return both.withColumn(
+        "state", F.when(F.col("deleted_first_entry_id").isNotNull(), F.lit("DELETED")).otherwise(F.col("state"))
+    )
