@@ -209,12 +209,14 @@ class RetentionConfig(Config):
     max_bytes: int | None = Field(default=None, description="Per topic, delete the oldest ledgers while the hot ones hold more.")
     keep_ledgers: int | None = Field(default=None, description="Per topic, keep at most this many (newest) ledgers.")
     require_offloaded: bool = Field(default=True, description="Only delete ledgers the offload tier already holds.")
+    require_buffered: bool = Field(default=True, description="Only delete ledgers the transaction buffer's state holds "
+                                   "(their facts outlive their rows only there); set false only knowing what is lost.")
     dry_run: bool = Field(default=False, description="Report what would be deleted; write nothing.")
 
     def policy(self) -> RetentionPolicy:
         age = None if self.max_age_hours is None else timedelta(hours=self.max_age_hours)
         return RetentionPolicy(max_age=age, max_bytes=self.max_bytes, keep_ledgers=self.keep_ledgers,
-                               require_offloaded=self.require_offloaded)
+                               require_offloaded=self.require_offloaded, require_buffered=self.require_buffered)
 
 
 @asset(name=DELETED_LEDGERS, group_name=GROUP, deps=[OFFLOAD_MANIFEST, LEDGER_ENTRIES], output_required=False,
@@ -227,7 +229,9 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
     result = apply_retention(wh, config.policy(), dry_run=config.dry_run)
     verb = "would delete" if config.dry_run else "deleted"
     context.log.info(f"retention {verb} {result.deleted} ({result.freed_entries} entries, {result.freed_bytes} bytes); "
-                     f"finished interrupted deletions {result.finished}")
+                     f"finished interrupted deletions {result.finished}"
+                     + (f"; kept until the transaction buffer has run over them (`txnlake run`): {result.waiting_for_buffer}"
+                        if result.waiting_for_buffer else ""))
     outcome = {
         "policy": MetadataValue.json({k: v for k, v in config.model_dump().items() if k != "dry_run"}),
         "dry_run": config.dry_run,
@@ -236,6 +240,8 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
         "entries_freed": result.freed_entries,
         "bytes_freed": result.freed_bytes,
         "files_reclaimed": MetadataValue.int(result.files_reclaimed),  # from disk, past the tables' file retention
+        # Kept until the buffer has run over them (`txnlake run`), with the ledgers after them.
+        "ledgers_waiting_for_buffer": MetadataValue.json([f"{t}/{l}" for t, l in result.waiting_for_buffer]),
     }
     if config.dry_run:
         context.log_event(AssetObservation(asset_key=DELETED_LEDGERS, metadata=outcome))

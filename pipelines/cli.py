@@ -511,6 +511,8 @@ def cmd_retention(args: argparse.Namespace) -> int:
         print(f"  {verb} {key}")
     for key in meta["ledgers_finished"]:
         print(f"  finished the interrupted deletion of {key}")
+    for key in meta["ledgers_waiting_for_buffer"]:
+        print(f"  kept {key}: the transaction buffer has not run over it yet (run `txnlake run`, then retention again)")
     print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
     if not args.dry_run:
         print(f"VACUUM deleted {meta['files_reclaimed']} file(s) from disk: those earlier deletes replaced, past each "

@@ -20,6 +20,12 @@ a ledger is deleted, by the first retention run after that, as Kafka frees a del
 after `file.delete.delay.ms`.
 The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
 
+A ledger goes only once the buffer's state holds it at the catalog's counts
+(`RetentionPolicy.require_buffered`): its facts below outlive its rows only there, so a ledger
+ingested and deleted with no buffer run between would take them along (a retried send of it read
+as new, data after its marker as an open transaction holding the stable position back for good).
+The policy stops a topic's prefix there, as at a ledger not offloaded, and says so.
+
 Nothing else the buffer decided changes, as in a broker, whose transaction buffer only trims
 its abort set when a ledger goes: the buffer's state keeps the deleted ledgers' facts (per
 transaction and ledger, the sequence ids seen, the data of transactions not decided in their
@@ -36,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
 
-from txn_engine.buffer_incremental import buffer_lock
+from txn_engine.buffer_incremental import LEDGER_COUNT_COLUMNS, buffer_lock, ledgers_behind, state_is_current, state_ledger_counts
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
@@ -44,6 +50,8 @@ from txn_engine.offload import LedgerKey, offloaded_ledgers
 from txn_engine.table_upkeep import vacuum_table
 from txn_engine.schema import (
     ABORTED_TXNS,
+    BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
@@ -68,6 +76,9 @@ class RetentionPolicy:
     max_bytes: int | None = None  # the topic's hot ledgers hold more bytes than this (oldest go first)
     keep_ledgers: int | None = None  # the topic has more than this many ledgers (oldest go first)
     require_offloaded: bool = True  # only ledgers the tier already holds
+    # Only ledgers the transaction buffer's state holds at the catalog's counts: their facts (late
+    # data, retried sends, transactions still open) outlive their rows only there (module doc).
+    require_buffered: bool = True
 
     def __post_init__(self) -> None:
         if self.max_age is None and self.max_bytes is None and self.keep_ledgers is None:
@@ -80,8 +91,11 @@ class RetentionPolicy:
             raise RetentionPolicyError(f"max_age must not be negative, got {self.max_age}")
 
 
-def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: datetime, offloaded: set[LedgerKey]) -> list[LedgerKey]:
-    """The ledgers `policy` deletes, from catalog rows (`ledgers` columns). Pure."""
+def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: datetime, offloaded: set[LedgerKey],
+                      buffered: set[LedgerKey] | None = None) -> list[LedgerKey]:
+    """The ledgers `policy` deletes, from catalog rows (`ledgers` columns). Pure.
+
+    `buffered`: the ledgers the buffer's state holds (`buffered_ledgers`); None: all of them."""
     by_topic: dict[str, list[dict]] = {}
     for row in catalog:
         if row["state"] != "DELETED":
@@ -96,7 +110,8 @@ def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: dat
             too_big = policy.max_bytes is not None and hot_bytes > policy.max_bytes
             last = row["last_publish_time"]
             too_old = policy.max_age is not None and last is not None and _utc(last) < now - policy.max_age
-            may_go = row["state"] != "OPEN" and (not policy.require_offloaded or key in offloaded)
+            may_go = row["state"] != "OPEN" and (not policy.require_offloaded or key in offloaded) and (
+                not policy.require_buffered or buffered is None or key in buffered)
             if not (too_many or too_big or too_old) or not may_go:
                 break  # keep a suffix: never delete past a ledger that stays
             chosen.append(key)
@@ -143,6 +158,18 @@ class RetentionResult:
     freed_bytes: int = 0
     dry_run: bool = False
     files_reclaimed: int = 0  # files VACUUM deleted from disk (removed by earlier deletes, past their retention)
+    # Ledgers the policy would delete but the buffer's state does not hold yet (kept, with those after them).
+    waiting_for_buffer: list[LedgerKey] = field(default_factory=list)
+
+
+def buffered_ledgers(wh: Warehouse, catalog: Iterable[dict]) -> set[LedgerKey]:
+    """The catalog's ledgers the transaction buffer's state holds at their counts (delta-rs reads)."""
+    rows = list(catalog)
+    held = state_ledger_counts(DeltaTables(wh).read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if (
+        state_is_current(wh)) else {}
+    now = {(r["topic"], r["ledger_id"]): (int(r["entry_count"]), int(r["last_entry_id"])) for r in rows
+           if r["entry_count"] is not None and r["last_entry_id"] is not None}
+    return set(now) - set(ledgers_behind(now, held))
 
 
 def apply_retention(
@@ -165,10 +192,12 @@ def apply_retention(
     catalog = [r.asDict() for r in current_ledger_catalog(wh, log).collect()]
     present = {(r.topic, r.ledger_id) for r in log.select("topic", "ledger_id").distinct().collect()}
     unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
-    chosen = ledgers_to_delete(catalog, policy, now, offloaded_ledgers(wh))
+    offloaded = offloaded_ledgers(wh)
+    chosen = ledgers_to_delete(catalog, policy, now, offloaded, buffered_ledgers(wh, catalog))
+    waiting = sorted(set(ledgers_to_delete(catalog, policy, now, offloaded)) - set(chosen))
     chosen_set = set(chosen)
     chosen_rows = [r for r in catalog if (r["topic"], r["ledger_id"]) in chosen_set]  # their last known catalog rows
-    result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run,
+    result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run, waiting_for_buffer=waiting,
                              freed_entries=sum(int(r["entry_count"]) for r in chosen_rows),
                              freed_bytes=sum(int(r["size_bytes"]) for r in chosen_rows))
     if dry_run:
