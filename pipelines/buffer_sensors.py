@@ -49,12 +49,11 @@ from txn_engine.buffer_incremental import (
     closed_ledger_counts,
     closed_ledger_ids,
     ledgers_behind,
-    state_is_current,
-    state_ledger_counts,
+    stored_ledger_counts,
 )
 from txn_engine.delta_io import DeltaTables
 from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGERS, LEDGERS_SCHEMA
+from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
 from txn_engine.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
@@ -87,14 +86,12 @@ def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers
     """The `ledgers` catalog's closed ledgers, read once: which are new partitions, and which need a run."""
     if not wh.exists(LEDGERS):
         return ClosedLedgers([], {})
-    tables = DeltaTables(wh)
-    catalog = tables.read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"])
+    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"])
     partitions = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
     closed_keys = [ledger_partition_key(i) for i in closed_ledger_ids(catalog)]
     new = [k for k in closed_keys if k not in partitions]
     closed = closed_ledger_counts(catalog)
-    state = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if (
-        state_is_current(wh)) else {}
+    state = stored_ledger_counts(wh)
     unrecorded = set(new) | unmaterialized_partitions(instance, [k for k in closed_keys if k in partitions])
     to_run = {**ledgers_behind(closed, state),
               **{key: counts for key, counts in closed.items() if ledger_partition_key(key[1]) in unrecorded}}

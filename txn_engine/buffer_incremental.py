@@ -446,6 +446,14 @@ def state_ledger_counts(ledger_txns: DataFrame | pa.Table) -> LedgerCounts:
     return {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in folded.collect()}
 
 
+def stored_ledger_counts(wh: Warehouse) -> LedgerCounts:
+    """`state_ledger_counts` of the state as stored, read by delta-rs (no Spark job); empty without a
+    current state (`state_is_current`): then the state holds no ledger."""
+    if not state_is_current(wh):
+        return {}
+    return state_ledger_counts(DeltaTables(wh).read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS))
+
+
 def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:
     """The ledgers to recompute and the retained (deleted) ones, from the catalog and the state.
 
@@ -521,7 +529,7 @@ def _refresh_buffer(wh: Warehouse, inventory: DataFrame | pa.Table, ledgers: Ite
     has_state = _has_state(wh)
     full = full or not has_state
     tables = DeltaTables(wh)
-    known = state_ledger_counts(tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if has_state else {}
+    known = stored_ledger_counts(wh) if has_state else {}
     plan = plan_scope(inventory, known, () if full else ledgers)
     if not full:
         return _refresh_incrementally(wh, tables, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
 
-from txn_engine.buffer_incremental import LEDGER_COUNT_COLUMNS, buffer_lock, ledgers_behind, state_is_current, state_ledger_counts
+from txn_engine.buffer_incremental import buffer_lock, ledgers_behind, stored_ledger_counts
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
@@ -50,8 +50,6 @@ from txn_engine.offload import LedgerKey, offloaded_ledgers
 from txn_engine.table_upkeep import vacuum_table
 from txn_engine.schema import (
     ABORTED_TXNS,
-    BUFFER_LEDGER_TXNS,
-    BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
@@ -165,11 +163,9 @@ class RetentionResult:
 def buffered_ledgers(wh: Warehouse, catalog: Iterable[dict]) -> set[LedgerKey]:
     """The catalog's ledgers the transaction buffer's state holds at their counts (delta-rs reads)."""
     rows = list(catalog)
-    held = state_ledger_counts(DeltaTables(wh).read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS)) if (
-        state_is_current(wh)) else {}
     now = {(r["topic"], r["ledger_id"]): (int(r["entry_count"]), int(r["last_entry_id"])) for r in rows
            if r["entry_count"] is not None and r["last_entry_id"] is not None}
-    return set(now) - set(ledgers_behind(now, held))
+    return set(now) - set(ledgers_behind(now, stored_ledger_counts(wh)))
 
 
 def apply_retention(

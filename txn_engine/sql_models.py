@@ -107,11 +107,11 @@ def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
     """The model's result as a DataFrame over the current Delta tables."""
     for table in model.reads:
         location = warehouse.path(table)
+        if table in EMPTY_UNTIL_WRITTEN:
+            warehouse.read_or_empty(table, EMPTY_UNTIL_WRITTEN[table], location).createOrReplaceTempView(table)
+            continue
         if warehouse.exists(table, location):
             warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
-            continue
-        if table in EMPTY_UNTIL_WRITTEN:
-            warehouse.spark.createDataFrame([], EMPTY_UNTIL_WRITTEN[table]).createOrReplaceTempView(table)
             continue
         known = known_tables()
         if table in known:
