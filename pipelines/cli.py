@@ -402,6 +402,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     from txn_engine.errors import TableMissingError
     from txn_engine.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
     from txn_engine.positions import ledger_partition_key
+    from txn_engine.reader import views_behind_log
     from txn_engine.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
     started = time.perf_counter()
@@ -478,6 +479,11 @@ def cmd_offload(args: argparse.Namespace) -> int:
         checks[check.check_name] = checks.get(check.check_name, True) and check.passed
     for name, passed in checks.items():
         print(f"  check {name}: {'passed' if passed else 'FAILED'}")
+    behind = views_behind_log(wh)
+    if behind:
+        listed = ", ".join(f"{t} (log reaches {p})" for t, p in sorted(behind.items())[:5]) + (", ..." if len(behind) > 5 else "")
+        print(f"note: the transaction buffer's view of {len(behind)} topic(s) is behind the log: {listed}; ledgers "
+              "past its last run are not eligible until then; run `txnlake run`, then offload again", file=sys.stderr)
     print(f"done in {time.perf_counter() - started:.1f}s")
     return 0 if all(checks.values()) else 1
 
@@ -496,6 +502,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
         "max_bytes": None if args.max_bytes is None else parse_bytes(args.max_bytes),
         "keep_ledgers": args.keep_ledgers,
         "require_offloaded": not args.include_not_offloaded,
+        "require_buffered": not args.include_not_buffered,
         "dry_run": args.dry_run,
     }
     RetentionConfig(**config).policy()  # bad limits fail here, before any run
@@ -605,6 +612,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-ledgers", type=int, metavar="N", help="per topic, keep the newest N ledgers")
     p.add_argument("--include-not-offloaded", action="store_true",
                    help="also delete CLOSED ledgers the tier does not hold (their data is then gone)")
+    p.add_argument("--include-not-buffered", action="store_true",
+                   help="also delete ledgers the transaction buffer has not run over (their markers and sequence ids "
+                   "are then gone: a later retry reads as new, a later part of their transactions as open, holding "
+                   "the stable position back); run `txnlake run` first instead")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; write nothing")
     p.set_defaults(func=cmd_retention)
     return parser

@@ -12,7 +12,7 @@ from txn_engine.errors import TableMissingError, TxnlakeError
 from txn_engine.ingest import ingest_files
 from txn_engine.offload import offload_ledgers
 from txn_engine.positions import EARLIEST, Position
-from txn_engine.reader import TopicReader
+from txn_engine.reader import TopicReader, views_behind_log
 
 
 def positions(batch):
@@ -96,8 +96,9 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
     derive_buffer_tables(warehouse)
     assert main(["offload"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert "offloaded t/1" in out and "waiting   t/2: last entry is beyond the stable position" in out
+    assert "behind the log" not in err
     assert "\ntook " in out and "(catalog " in out and "manifest " in out
     assert main(["read", "t", "--from", "1:2", "--max", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -112,3 +113,10 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     for bad in ("-5:0", "3:-2", "-1:0"):
         assert main(["read", "t", "--from", bad]) == 2
         assert f"--from {bad} is out of range: write it as LEDGER_ID:ENTRY_ID" in capsys.readouterr().err
+    # Ingested since the last `txnlake run`: offload decides by the buffer's view and says it is behind.
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "d.jsonl", COMMIT_D))])
+    assert views_behind_log(warehouse) == {"t": Position(4, 1)}
+    assert main(["offload"]) == 0
+    out, err = capsys.readouterr()
+    assert "no ledger to offload" in out
+    assert "view of 1 topic(s) is behind the log: t (log reaches 4:1)" in err and "run `txnlake run`" in err

@@ -296,7 +296,7 @@ def test_retention_frees_the_disk_of_deleted_ledgers_after_the_file_retention(of
     assert {t: read_positions(wh, t) for t in ("t", "u")} == before
 
 
-def test_by_default_only_offloaded_ledgers_the_buffer_holds_are_deleted(warehouse, tmp_path):
+def test_by_default_only_offloaded_ledgers_the_buffer_holds_are_deleted(warehouse, tmp_path, capsys):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
     assert apply_retention(warehouse, RetentionPolicy(keep_ledgers=0)).deleted == []
     # Not offloaded, when asked; but not before the buffer has run over them (was: deleted, taking
@@ -305,6 +305,13 @@ def test_by_default_only_offloaded_ledgers_the_buffer_holds_are_deleted(warehous
     waiting = apply_retention(warehouse, RetentionPolicy(keep_ledgers=0, require_offloaded=False))
     closed = [("t", 1), ("t", 2), ("t", 3), ("u", 5), ("u", 6)]  # never an OPEN ledger: t/4, u/7 and v/8 stay
     assert (waiting.deleted, waiting.waiting_for_buffer) == ([], closed)
+    # The same through the CLI: kept and said why; `--include-not-buffered` would delete them.
+    assert main(["retention", "--keep-ledgers", "0", "--include-not-offloaded", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete 0 ledger(s)" in out and "kept t/1: the transaction buffer has not run over it yet" in out
+    assert main(["retention", "--keep-ledgers", "0", "--include-not-offloaded", "--include-not-buffered", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete 5 ledger(s)" in out and "require_buffered=False" in out and "kept " not in out
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     result = apply_retention(warehouse, RetentionPolicy(keep_ledgers=0, require_offloaded=False))
     assert (result.deleted, result.waiting_for_buffer) == (closed, [])

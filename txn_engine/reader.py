@@ -50,6 +50,22 @@ from txn_engine.warehouse import Warehouse
 HOT, COLD = "hot", "cold"
 
 
+def views_behind_log(warehouse: Warehouse) -> dict[str, Position]:
+    """Each topic whose last position in `ledger_entries` lies past its `stable_positions` view's
+    last position (entries ingested since the last `txnlake run`, which no read shows and no
+    offload considers until then), with that last position. Delta-rs and Arrow, no Spark job."""
+    if not warehouse.exists(LEDGER_ENTRIES):
+        return {}
+    last: dict[str, Position] = {}
+    for r in ledger_ranges(warehouse).to_pylist():
+        last[r["topic"]] = max(last.get(r["topic"], Position(r["ledger_id"], r["last_entry_id"])),
+                               Position(r["ledger_id"], r["last_entry_id"]))
+    views = ({r["topic"]: Position(r["last_ledger_id"], r["last_entry_id"])
+              for r in DeltaTables(warehouse).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()}
+             if warehouse.exists(STABLE_POSITIONS) else {})
+    return {t: p for t, p in last.items() if t not in views or p > views[t]}
+
+
 @dataclass(frozen=True)
 class ReadBatch:
     """Entries read in ledger order and where to continue: `next_position` is after the last one."""
@@ -84,17 +100,10 @@ class TopicReader:
         return next((r for r in rows if r["topic"] == topic), None)
 
     def behind_log(self, topic: str) -> Position | None:
-        """The topic's last position in `ledger_entries` when the buffer's view (`stable_positions`'
-        last position) does not reach it yet: entries ingested since the last `txnlake run`, which no
-        read shows until then. None when the view is up to date. Delta-rs and Arrow, no Spark job."""
-        if not self.warehouse.exists(LEDGER_ENTRIES):
-            return None
-        ranges = ledger_ranges(self.warehouse).filter(pc.field("topic") == topic).to_pylist()
-        if not ranges:
-            return None
-        last = max(Position(r["ledger_id"], r["last_entry_id"]) for r in ranges)
-        view = self.published(topic)
-        return last if view is None or last > Position(view["last_ledger_id"], view["last_entry_id"]) else None
+        """The topic's last position in `ledger_entries` when the buffer's view does not reach it
+        yet (`views_behind_log`); None when the view is up to date."""
+        self.published(topic)  # the buffer's tables must exist: the same error as a read's
+        return views_behind_log(self.warehouse).get(topic)
 
     def frame(self, topic: str, from_position: Position = EARLIEST) -> DataFrame:
         """The topic's readable entries at or after `from_position`, with a `tier` column (unordered)."""
