@@ -215,6 +215,44 @@ def test_the_engines_consumer_reads_deleted_ledgers_as_the_reference_fed_the_who
     assert [[str(e.position) for e in consumer.poll(2)] for _ in range(3)] == [["1:1", "3:0"], ["4:0"], []]
 
 
+def test_a_kept_consumer_feeds_only_what_was_appended_and_builds_again_when_the_log_changed_otherwise(warehouse, tmp_path):
+    """A consumer kept between calls (as a Pulsar consumer reads on from its cursor) feeds its buffer the
+    entries appended since the last call; rows in a ledger it fed before (files ingested out of order)
+    or retention make it build the buffer again. Each read equals a new consumer's and the reference's."""
+    tables, kept = DeltaTables(warehouse), Consumer(DeltaTables(warehouse), "t")
+    log = sorted(HISTORY + COMMIT_D, key=lambda r: (r["topic"], r["ledger_id"], r["entry_id"]))
+    late = entry("t", 2, 5, producer=1, seq=1, payload=b"t-2-5")  # ledger 2 after ledger 4 was ingested
+    ingested: list[dict] = []
+
+    def ingest(name, rows):
+        ingested.extend(rows)
+        ingest_files(warehouse, [str(write_jsonl(tmp_path / name, rows))])
+
+    def read_as_expected(rebuilds):
+        read = [(e.ledger_id, e.entry_id, e.payload) for e in kept.read(EARLIEST)]
+        assert read == [(e.ledger_id, e.entry_id, e.payload) for e in Consumer(tables, "t").read()]
+        assert [p[:2] for p in read] == oracle_read(sorted(ingested, key=lambda r: (r["ledger_id"], r["entry_id"])), "t")
+        assert kept.rebuilds == rebuilds
+        return read
+
+    ingest("a.jsonl", [r for r in log if r["ledger_id"] <= 2])
+    assert [p[:2] for p in read_as_expected(1)] == [(1, 0), (1, 1), (2, 0), (2, 1)]  # D holds 2:4 back
+    assert [str(e.position) for e in kept.poll(3)] == ["1:0", "1:1", "2:0"]
+    ingest("b.jsonl", [r for r in log if r["ledger_id"] in (3, 5)])  # appended: fed, not built again
+    read_as_expected(1)
+    ingest("c.jsonl", [r for r in log if r["ledger_id"] >= 4 and r["ledger_id"] != 5])  # COMMIT D: 2:4 and 3:0 become readable
+    assert [p[:2] for p in read_as_expected(1)][-4:] == [(2, 4), (3, 0), (3, 1), (4, 0)]
+    assert [str(e.position) for e in kept.poll()] == ["2:1", "2:4", "3:0", "3:1", "4:0"]
+    ingest("d.jsonl", [late])  # before the last entry fed: built again
+    assert (2, 5, b"t-2-5") in read_as_expected(2)
+    assert [str(e.position) for e in kept.poll()] == []  # the cursor is past 2:5, as a Pulsar cursor would be
+    refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
+    offload_ledgers(warehouse, [1, 2])
+    assert ("t", 1) in apply_retention(warehouse, RetentionPolicy(keep_ledgers=1)).deleted
+    read_as_expected(3)  # retention since: built again, the deleted ledgers read from the tier
+    read_as_expected(3)  # nothing changed: the kept buffer
+
+
 @settings(max_examples=100, deadline=None, database=None)
 @given(steps=st.lists(STEP, min_size=1, max_size=25), deleted=st.integers(1, 6))
 def test_the_consumers_buffer_resumed_after_deleted_ledgers_decides_as_the_whole_log(steps, deleted):

@@ -36,6 +36,7 @@ from txn_engine import buffer_arrow
 from txn_engine.buffer_incremental import state_ledger_counts
 from txn_engine.delta_io import DeltaTables, arrow_schema, scan
 from txn_engine.errors import TxnlakeError
+from txn_engine.ledgers import ledger_ranges
 from txn_engine.offload import offloaded_ledgers
 from txn_engine.positions import EARLIEST, Position, checked_position
 from txn_engine.schema import (
@@ -81,12 +82,29 @@ def _topic_rows(tables: DeltaTables, table: str, schema, topic: str, ledger_ids:
     return buffer_arrow.conform(scan(tables.dataset(table), pushed, on_rows=pc.field("topic") == topic), schema)
 
 
-def topic_log(tables: DeltaTables, topic: str) -> TopicLog:
+def topic_ledger_counts(tables: DeltaTables, topic: str) -> dict[int, int]:
+    """Entries per ledger of `topic` in `ledger_entries` (empty when it does not exist): its narrow
+    columns folded by `ledger_ranges`, no payload read."""
+    if not tables.exists(LEDGER_ENTRIES):
+        return {}
+    ranges = ledger_ranges(tables.warehouse)
+    ranges = ranges.filter(pc.equal(ranges["topic"], topic))
+    return dict(zip(ranges["ledger_id"].to_pylist(), ranges["entry_count"].to_pylist()))
+
+
+def _stored_entries(tables: DeltaTables, topic: str, ledger_ids: list[int]) -> pa.Table:
+    """`topic`'s `ledger_entries` rows of `ledger_ids`, in ledger order; the files of other ledgers
+    are skipped by their statistics (ingest writes position-ordered files)."""
+    rows = _topic_rows(tables, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, topic, ledger_ids)
+    return rows.sort_by([("ledger_id", "ascending"), ("entry_id", "ascending")])
+
+
+def topic_log(tables: DeltaTables, topic: str, counts: dict[int, int] | None = None) -> TopicLog:
     """`topic` as a read-committed reader sees it: see the module doc. Reads the stored entries first,
     so a ledger retention deletes meanwhile is read from them (its deleted_ledgers row, manifest row
-    and state were written before its entries went)."""
-    hot = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
-    hot = hot.filter(pc.equal(hot["topic"], topic)).sort_by([("ledger_id", "ascending"), ("entry_id", "ascending")])
+    and state were written before its entries went). `counts`: `topic_ledger_counts`, when read already."""
+    stored_ids = sorted(topic_ledger_counts(tables, topic) if counts is None else counts)
+    hot = _stored_entries(tables, topic, stored_ids)
     stored = set(pc.unique(hot["ledger_id"]).to_pylist())
     deleted = tables.read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id", "entry_count", "last_entry_id"])
     gone = {r["ledger_id"]: r for r in deleted.filter(pc.equal(deleted["topic"], topic)).to_pylist()
@@ -162,7 +180,14 @@ def _position(value: object, what: str) -> Position:
 
 class Consumer:
     """Reads the committed entries of a topic from a position: each once, never past the stable
-    position. Refuses with `ConsumerStateError` what it cannot know after retention (module doc)."""
+    position. Refuses with `ConsumerStateError` what it cannot know after retention (module doc).
+
+    Like a Pulsar consumer reading on from its cursor, it keeps the topic's buffer between calls and
+    feeds it only the entries appended since (`ledger_entries`' new version, read by the ledgers
+    that grew): a call costs in proportion to what is new, plus a fold of the log's narrow columns
+    to see what grew. It builds the buffer again from the whole stored log when the log changed in
+    any other way: rows in a ledger before the last entry fed (files ingested out of order), a
+    ledger fed that is no longer stored, or a ledger recorded deleted since (retention)."""
 
     def __init__(self, tables: DeltaTables, topic: str, start: Position | tuple[int, int] | str = EARLIEST):
         if not isinstance(topic, str) or not topic.strip():
@@ -170,14 +195,18 @@ class Consumer:
         self.tables = tables
         self.topic = topic
         self.position = _position(start, "start")  # the next read starts here (inclusive)
+        self._log: TopicLog | None = None
+        self._fed: dict[int, int] = {}  # entries fed to the buffer, per stored ledger
+        self._versions: tuple[int | None, int | None] = (None, None)  # ledger_entries', deleted_ledgers'
+        self.rebuilds = 0  # times the buffer was built from the whole stored log
 
     def read(self, from_position: Position | tuple[int, int] | str | None = None,
              max_entries: int | None = None) -> list[LogEntry]:
-        """Committed DATA entries at or after `from_position`, in ledger order (stateless)."""
+        """Committed DATA entries at or after `from_position`, in ledger order (the position is not moved)."""
         start = self.position if from_position is None else _position(from_position, "from_position")
         if max_entries is not None and max_entries < 0:
             raise ValueError(f"max_entries must not be negative, got {max_entries}; pass a count, or None for all")
-        return topic_log(self.tables, self.topic).read_committed(start, max_entries)
+        return self._current_log().read_committed(start, max_entries)
 
     def poll(self, max_entries: int | None = None) -> list[LogEntry]:
         """The next committed entries after those already returned; moves the consumer's position."""
@@ -186,3 +215,37 @@ class Consumer:
             last = entries[-1].position
             self.position = Position(last.ledger_id, last.entry_id + 1)
         return entries
+
+    def _current_log(self) -> TopicLog:
+        versions = (self.tables.version(LEDGER_ENTRIES), self.tables.version(DELETED_LEDGERS))  # before the reads
+        if self._log is not None and versions == self._versions:
+            return self._log
+        counts = topic_ledger_counts(self.tables, self.topic)
+        if not self._feed_appended(counts, versions):
+            # Rows appended between the count and the read are fed too; the next call then finds
+            # them at or before the last entry fed and builds again: never wrong, at worst slower.
+            self._log, self._fed = topic_log(self.tables, self.topic, counts), dict(counts)
+            self.rebuilds += 1
+        self._versions = versions
+        return self._log
+
+    def _feed_appended(self, counts: dict[int, int], versions: tuple[int | None, int | None]) -> bool:
+        """Feed the buffer the entries appended after the last one fed, when that is all that changed
+        (see the class doc); False when the buffer must be built again."""
+        log, last = self._log, None if self._log is None else self._log.buffer.last_position
+        if log is None or last is None or versions[1] != self._versions[1]:
+            return False  # first call, nothing stored yet (or all of it deleted), or a retention since
+        if any(counts.get(ledger) is None or counts[ledger] < fed for ledger, fed in self._fed.items()):
+            return False  # a ledger fed is gone or smaller
+        grown = sorted(ledger for ledger, n in counts.items() if n != self._fed.get(ledger))
+        if any(ledger < last.ledger_id for ledger in grown):
+            return False  # rows arrived in a ledger before the last one fed
+        rows = _stored_entries(self.tables, self.topic, grown)
+        after = pc.or_(pc.greater(rows["ledger_id"], last.ledger_id),
+                       pc.and_(pc.equal(rows["ledger_id"], last.ledger_id), pc.greater(rows["entry_id"], last.entry_id)))
+        if pc.sum(pc.invert(after)).as_py():
+            return False  # rows at or before the last entry fed, in its ledger
+        for row in rows.to_pylist():
+            log.buffer.append(LogEntry.from_row(row))
+            self._fed[row["ledger_id"]] = self._fed.get(row["ledger_id"], 0) + 1
+        return True

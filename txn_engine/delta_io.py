@@ -230,6 +230,11 @@ class DeltaTables:
         handle = self._handle(table)
         return None if handle is None else T.StructType.fromJson(json.loads(handle.schema().to_json()))
 
+    def version(self, table: str) -> int | None:
+        """The table's latest version, or None when it does not exist (the log only, no data read)."""
+        handle = self._handle(table)
+        return None if handle is None else handle.version()
+
     def columns(self, table: str) -> list[str] | None:
         """The column names of the table's latest version, or None when it does not exist."""
         handle = self._handle(table)
