@@ -97,14 +97,19 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     record_ledger_states(wh, [("u", 6, "CLOSED", "rollover: test")])
     entries_before = wh.read(LEDGER_ENTRIES).count()
     late = ingest_files(wh, [str(write_jsonl(tmp_path / "late.jsonl", [
-        entry("t", 2, 5, payload=b"late"), entry("u", 6, 2, payload=b"late"), entry("t", 3, 1, payload=b"t-3-1")]))])
+        entry("t", 2, 5, payload=b"late"), entry("u", 6, 2, payload=b"late"), entry("t", 3, 1, payload=b"t-3-1"),
+        entry("u", 4, 0, payload=b"early")]))])  # a ledger new to u, before its offloaded u/5
     assert (late.rows_written, late.rows_already_present, late.quarantine_by_rule) == (
-        0, 1, {"ledger_offloaded": 1, "ledger_closed": 1})
+        0, 1, {"ledger_offloaded": 1, "ledger_closed": 1, "ledger_before_tier": 1})
     assert wh.read(LEDGER_ENTRIES).count() == entries_before
     assert quarantined(wh) == [
         ("t", 2, 5, "ledger_offloaded", "ledger t/2 is OFFLOADED (recorded in ledger_states): the offload tier holds its "
          "copy and retention deletes its hot rows, so entry 5 appended now would exist nowhere after retention; write the "
          "entry to a new ledger of the topic (a higher ledger_id) and ingest it again"),
+        ("u", 4, 0, "ledger_before_tier", "ledger u/4 comes before ledger u/5, which is already offloaded: the topic's "
+         "later ledgers were decided (duplicates, late data, stable position) and offloaded or deleted without it, so "
+         "entry 0 cannot be put in front of them now; ingest a topic's ledgers before offloading later ones, or write "
+         "the entry to a new ledger after u/5 and ingest it again"),
         ("u", 6, 2, "ledger_closed", "ledger u/6 was closed by the transaction engine (recorded CLOSED in ledger_states) "
          "and a closed ledger is immutable, as in BookKeeper: entry 2 cannot be added; write the entry to a new ledger of "
          "the topic (a higher ledger_id) and ingest it again"),
@@ -159,17 +164,21 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     # Ingesting the whole history again brings no deleted ledger back: their 14 rows are counted
     # apart, the rest is present; a new entry past a deleted ledger's range is quarantined. A re-run
     # adds no duplicate to the quarantine.
-    again_file = str(write_jsonl(tmp_path / "again.jsonl", FULL + [entry("t", 1, 5)]))
+    # So is a ledger new to the topic before its deleted ones: the late older ledger of a file that
+    # arrived after retention (was: appended, and its data committed by a deleted marker never shown).
+    again_file = str(write_jsonl(tmp_path / "again.jsonl", FULL + [entry("t", 1, 5), entry("t", 0, 0)]))
     for _ in range(2):
         summary = ingest_files(wh, [again_file])
         assert (summary.rows_written, summary.rows_in_deleted_ledgers, summary.rows_already_present,
-                summary.quarantine_by_rule) == (0, 14, len(FULL) - 14, {"ledger_deleted": 1})
+                summary.quarantine_by_rule) == (0, 14, len(FULL) - 14, {"ledger_deleted": 1, "ledger_before_tier": 1})
         assert ledger_keys(wh.read(LEDGER_ENTRIES)) == [("t", 4), ("u", 6), ("u", 7), ("v", 8)]
-        assert quarantined(wh)[0] == (
+        assert quarantined(wh)[0][:4] == ("t", 0, 0, "ledger_before_tier")
+        assert "ledger t/0 comes before ledger t/3, which is already deleted by retention" in quarantined(wh)[0][4]
+        assert quarantined(wh)[1] == (
             "t", 1, 5, "ledger_deleted", "ledger t/1 was deleted by retention (DELETED in ledger_states/deleted_ledgers) "
             "and takes no new entries; entry 5 is outside the range it held (0..4); write the entry to a new ledger of "
             "the topic (a higher ledger_id) and ingest it again")
-        assert len(quarantined(wh)) == 3
+        assert len(quarantined(wh)) == 5
 
     # The buffer's state kept the deleted ledgers' facts: the engine's consumer reads as the whole log.
     assert [(e.ledger_id, e.entry_id) for e in Consumer(DeltaTables(wh), "t").read()] == oracle_read(FULL, "t")

@@ -578,7 +578,8 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     the stored entry is PRESENT; a different one is quarantined, never overwriting. A new
     candidate in a ledger of `immutable` (`ledgers.immutable_ledgers`) is not appended: inside a
     deleted ledger's former range it is IN_DELETED_LEDGER (an old file ingested again), else
-    quarantined (`ledger_closed`, `ledger_offloaded`, `ledger_deleted`). Pure.
+    quarantined (`ledger_closed`, `ledger_offloaded`, `ledger_deleted`); nor is one in any other
+    ledger before its topic's last offloaded or deleted ledger (`ledger_before_tier`). Pure.
     """
     valid = validated.filter(F.col("rule").isNull())
     order = Window.partitionBy(*POSITION_COLUMNS).orderBy("source_file", "line")
@@ -597,12 +598,19 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     joined = in_input.join(stored, list(POSITION_COLUMNS), "left")
     if immutable is None:
         joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
-            ("_sealed", "string"), ("_deleted_first", "bigint"), ("_deleted_last", "bigint"))])
+            ("_sealed", "string"), ("_deleted_first", "bigint"), ("_deleted_last", "bigint"),
+            ("_tier_ledger", "bigint"), ("_tier_state", "string"))])
     else:
         joined = joined.join(F.broadcast(immutable.select(
             "topic", "ledger_id", F.col("state").alias("_sealed"),
             F.col("deleted_first_entry_id").alias("_deleted_first"), F.col("deleted_last_entry_id").alias("_deleted_last"),
         )), ["topic", "ledger_id"], "left")
+        # Each topic's last ledger offloaded or deleted: what lies before it was decided without
+        # any ledger that arrives now (see `before_tier` below).
+        last_in_tier = (immutable.where(F.col("state").isin("OFFLOADED", "DELETED"))
+                        .groupBy("topic").agg(F.max(F.struct("ledger_id", "state")).alias("_t"))
+                        .select("topic", F.col("_t.ledger_id").alias("_tier_ledger"), F.col("_t.state").alias("_tier_state")))
+        joined = joined.join(F.broadcast(last_in_tier), ["topic"], "left")
     position = F.concat_ws(" ", F.col("topic"), F.concat_ws(":", F.col("ledger_id"), F.col("entry_id")))
     by_position = (
         F.when(F.col("_input_status").isNotNull(), F.col("_input_status"))
@@ -611,18 +619,32 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
         .otherwise(F.lit(QUARANTINED))
     )
     new_in_sealed = (by_position == NEW) & F.col("_sealed").isNotNull()
+    # A new entry in a ledger before the topic's last offloaded or deleted one: the later ledgers'
+    # duplicates, late data and stable position were decided, copied to the tier or deleted
+    # without it, and stay so (in BookKeeper a topic's ledgers are created in id order, so this is
+    # a late or misnumbered file).
+    before_tier = (by_position == NEW) & F.col("_sealed").isNull() & (F.col("ledger_id") < F.col("_tier_ledger"))
     status = (
         F.when(new_in_sealed & (F.col("_sealed") == "DELETED")
                & F.col("entry_id").between(F.col("_deleted_first"), F.col("_deleted_last")), F.lit(IN_DELETED_LEDGER))
-        .when(new_in_sealed, F.lit(QUARANTINED))
+        .when(new_in_sealed | before_tier, F.lit(QUARANTINED))
         .otherwise(by_position)
     )
     rule = F.when(
         F.col("_input_status") == QUARANTINED, F.lit("position_repeated_in_input")
     ).when(by_position == QUARANTINED, F.lit("position_conflict")).when(
+        before_tier, F.lit("ledger_before_tier")).when(
         status == QUARANTINED, F.concat(F.lit("ledger_"), F.lower("_sealed")))
     ledger = F.concat_ws("/", F.col("topic"), F.col("ledger_id"))
     then = F.lit("; write the entry to a new ledger of the topic (a higher ledger_id) and ingest it again")
+    tier_ledger = F.concat_ws("/", F.col("topic"), F.col("_tier_ledger"))
+    before_tier_reason = F.concat(
+        F.lit("ledger "), ledger, F.lit(" comes before ledger "), tier_ledger, F.lit(", which is already "),
+        F.when(F.col("_tier_state") == "DELETED", F.lit("deleted by retention")).otherwise(F.lit("offloaded")),
+        F.lit(": the topic's later ledgers were decided (duplicates, late data, stable position) and offloaded or deleted "
+              "without it, so entry "), F.col("entry_id").cast("string"),
+        F.lit(" cannot be put in front of them now; ingest a topic's ledgers before offloading later ones, or write "
+              "the entry to a new ledger after "), tier_ledger, F.lit(" and ingest it again"))
     sealed_reason = (
         F.when(F.col("_sealed") == "OFFLOADED", F.concat(
             F.lit("ledger "), ledger, F.lit(" is OFFLOADED (recorded in ledger_states): the offload tier holds its copy "
@@ -653,7 +675,7 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
             F.lit("position "), position,
             F.lit(" already holds a different entry in ledger_entries; stored entries are never overwritten"),
         ),
-    ).when(status == QUARANTINED, sealed_reason)
+    ).when(before_tier, before_tier_reason).when(status == QUARANTINED, sealed_reason)
     checked = joined.select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         status.alias("status"), rule.alias("rule"), reason.alias("reason"),
