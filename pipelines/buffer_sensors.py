@@ -49,11 +49,11 @@ from txn_engine.buffer_incremental import (
     closed_ledger_counts,
     closed_ledger_ids,
     ledgers_behind,
+    read_catalog,
     stored_ledger_counts,
 )
-from txn_engine.delta_io import DeltaTables
 from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
+from txn_engine.schema import LEDGERS
 from txn_engine.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
@@ -86,7 +86,7 @@ def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers
     """The `ledgers` catalog's closed ledgers, read once: which are new partitions, and which need a run."""
     if not wh.exists(LEDGERS):
         return ClosedLedgers([], {})
-    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, LEDGER_COUNT_COLUMNS + ["state"])
+    catalog = read_catalog(wh, LEDGER_COUNT_COLUMNS + ["state"])
     partitions = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
     closed_keys = [ledger_partition_key(i) for i in closed_ledger_ids(catalog)]
     new = [k for k in closed_keys if k not in partitions]

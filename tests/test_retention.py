@@ -21,7 +21,7 @@ from txn_engine import buffer_arrow
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
 from txn_engine.buffer_jobs import compute_buffer_tables
 from txn_engine.consumer import Consumer, ConsumerStateError, resumed_buffer
-from txn_engine.delta_io import DeltaTables, arrow_schema
+from txn_engine.delta_io import DeltaTables, arrow_schema, overwrite_small
 from txn_engine.engine import Engine
 from txn_engine.ledger_writer import RolloverPolicy
 from txn_engine.ingest import ingest_files
@@ -41,12 +41,15 @@ from txn_engine.retention import (
 from txn_engine.positions import EARLIEST
 from txn_engine.schema import (
     ABORTED_TXNS,
+    BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     LEDGERS,
+    LEDGERS_SCHEMA,
     QUARANTINE_ENTRIES,
     RECOVERED_BUFFER_STATE,
     TXN_MARKERS,
@@ -373,6 +376,29 @@ def test_the_consumer_refuses_ledgers_deleted_before_the_buffer_held_them(wareho
     assert apply_retention(warehouse, policy).deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5), ("u", 6)]
     with pytest.raises(ConsumerStateError, match=r"topic 't': retention deleted ledger\(s\) 1, 2, 3.*`txnlake run`"):
         Consumer(DeltaTables(warehouse), "t").read()
+
+
+def test_buffer_runs_on_a_catalog_written_before_retention_keep_the_deleted_ledgers_facts(offloaded):
+    """Retention run from Dagster leaves the `ledgers` catalog as it was (no `txnlake run` since): a
+    buffer run, a backfill of the deleted ledgers' partitions or the sensor's, must not take their
+    gone rows for a change (was: "recomputed" from nothing, dropping the facts the state keeps of
+    them, and every later run took them for behind)."""
+    wh = offloaded
+    overwrite_small(wh, LEDGERS, current_ledger_catalog(wh))  # the catalog before retention
+    assert apply_retention(wh, RetentionPolicy(keep_ledgers=1)).deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
+    tables = DeltaTables(wh)
+
+    def state():
+        return (sorted(map(str, tables.read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA).to_pylist())),
+                {t: read_positions(wh, t) for t in ("t", "u")})
+
+    before = state()
+    assert {(r["topic"], r["ledger_id"]) for r in tables.read(LEDGERS, LEDGERS_SCHEMA).to_pylist()
+            if r["state"] == "DELETED"} == set()  # stale indeed
+    assert {(r["topic"], r["ledger_id"]) for r in ledger_inventory(wh).to_pylist()} == {("t", 4), ("u", 6), ("u", 7), ("v", 8)}
+    assert refresh_buffer(wh, ledgers=[1, 2, 5]).ledgers == []  # the deleted partitions, backfilled from the UI
+    refresh_buffer(wh, ledgers=[6])
+    assert state() == before
 
 
 def test_crash_after_recording_deleted_is_finished_by_the_next_run(offloaded):

@@ -131,6 +131,8 @@ from txn_engine.schema import (
     BUFFER_SEQUENCE_RANGES_SCHEMA,
     COMMITTED_ENTRIES,
     COMMITTED_ENTRIES_SCHEMA,
+    DELETED_LEDGERS,
+    DELETED_LEDGERS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
@@ -361,10 +363,25 @@ def ledger_inventory(wh: Warehouse) -> pa.Table:
     ledgers are gone: retention deletes their rows.
     """
     if wh.exists(LEDGERS):
-        catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state", "entry_count",
-                                                                 "last_entry_id", "size_bytes"])
+        catalog = read_catalog(wh, ["topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes"])
         return listed_ledgers(catalog).drop_columns(["state"])
     return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))).toArrow()
+
+
+def read_catalog(wh: Warehouse, columns: list[str]) -> pa.Table:
+    """The `ledgers` catalog's `columns` (with `topic`, `ledger_id`, `state`) by delta-rs, a ledger
+    in `deleted_ledgers` marked DELETED even when the catalog was written before retention deleted
+    it (retention run from Dagster, no `txnlake run` since): taken for a stored ledger, its gone
+    rows would look changed, and a buffer run would "recompute" it from nothing, dropping the facts
+    the state keeps of it (a retried send's first copy, a marker before late data)."""
+    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, columns)
+    deleted = DeltaTables(wh).read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id"])
+    if not deleted.num_rows:
+        return catalog
+    gone = pc.is_in(pc.binary_join_element_wise(catalog["topic"], pc.cast(catalog["ledger_id"], pa.string()), "/"),
+                    value_set=pc.binary_join_element_wise(deleted["topic"], pc.cast(deleted["ledger_id"], pa.string()), "/"))
+    state = pc.if_else(gone, pa.scalar("DELETED"), catalog["state"])
+    return catalog.set_column(catalog.schema.get_field_index("state"), "state", state)
 
 
 def listed_ledgers(catalog: pa.Table) -> pa.Table:
