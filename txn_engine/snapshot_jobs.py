@@ -119,10 +119,12 @@ def snapshot_segments(aborted: DataFrame, stable: DataFrame, snapshot_ids: DataF
     state a broker's buffer holds. A topic in `snapshot_ids` with no aborts gets `topic-end` alone.
     """
     ids = F.broadcast(snapshot_ids.select("topic", F.col("snapshot_id").cast("long")))
+    # `SnapshotConfig.segment_capacity` on Spark, in longs (a segment size of a TiB overflows an int
+    # before the bound by aborts applies); write_snapshots has refused topics where it is below 1.
     capacity = F.least(
-        F.lit(config.max_aborts_per_segment),
-        F.floor((F.lit(config.max_segment_bytes) - F.lit(segment_bytes("", 0)) - 2 * F.octet_length("topic"))
-                / ABORT_BYTES).cast("int"),
+        F.lit(config.max_aborts_per_segment).cast("long"),
+        F.floor((F.lit(config.max_segment_bytes).cast("long") - F.lit(segment_bytes("", 0)) - 2 * F.octet_length("topic"))
+                / ABORT_BYTES).cast("long"),
     )
     in_order = Window.partitionBy("topic").orderBy("abort_ledger_id", "abort_entry_id")
     numbered = (
@@ -206,6 +208,8 @@ def write_snapshots(
             f"no stable position for topic(s) {sorted(set(topics) - known)[:5]}; materialize stable_positions "
             "(the transaction_buffer assets) after ingesting their entries, then snapshot again"
         )
+    for topic in topics:
+        config.segment_capacity(topic)  # a topic whose segment cannot hold one abort fails here, before any write
     ids = dict(snapshot_ids or {})
     for topic in topics:
         ids.setdefault(topic, secrets.randbits(62) + 1)  # unique per snapshot; order comes from write_seq
