@@ -47,16 +47,19 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_STATE,
 )
 from txn_engine.snapshot_jobs import (
+    SNAPSHOT_LOCK_TIMEOUT_S,
     TriggerConfig,
     compact_segments,
     full_replay_states,
     read_segments,
     recovery_mismatches,
+    snapshot_lock,
     snapshot_states,
     write_snapshots,
 )
 from txn_engine.snapshot_recovery import recover_to_warehouse
 from txn_engine.snapshots import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
+from txn_engine.warehouse import Warehouse
 
 GROUP = "snapshots"
 
@@ -71,6 +74,8 @@ class SnapshotRunConfig(Config):
     interval_seconds: float = Field(default=300.0, description="Snapshot at least this often while anything changed.")
     compact: bool = Field(default=True, description="Compact the segments table (then OPTIMIZE, VACUUM) after writing.")
     vacuum_retention_hours: float = Field(default=168.0, description="VACUUM retention; Delta refuses less than 168 h by default.")
+    lock_timeout_s: float = Field(default=SNAPSHOT_LOCK_TIMEOUT_S, description="How long to wait for another snapshot run "
+                                  "on this warehouse to finish (one at a time) before failing.")
 
 
 @multi_asset(
@@ -86,6 +91,12 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
                           warehouse: WarehouseResource):
     wh = warehouse.open(spark.session())
     segment_config = SnapshotConfig(config.max_aborts_per_segment, config.max_segment_bytes)
+    with snapshot_lock(wh, config.lock_timeout_s):  # from choosing what is due to the state written
+        yield from _take_snapshots(context, config, wh, segment_config)
+
+
+def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, wh: Warehouse,
+                    segment_config: SnapshotConfig):
     triggers = TriggerConfig(config.max_changes, config.interval_seconds)
     entries = wh.read(LEDGER_ENTRIES)
     before = snapshot_states(entries, read_segments(wh), triggers).collect()

@@ -28,7 +28,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_STATE,
 )
-from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_states
+from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_lock, snapshot_states
 from txn_engine.transaction_buffer import LogEntry
 
 BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
@@ -94,6 +94,19 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     assert all(c.passed for c in result.get_asset_check_evaluations())
     # Compaction dropped the first snapshot's rows: only the live snapshot's keys are left.
     assert sorted(r.snapshot_key for r in read_segments(warehouse).collect()) == ["busy-1", "busy-2", "busy-3", "busy-end"]
+
+    # One snapshot run at a time: while another holds the warehouse's snapshot lock, a run waits
+    # (here 0.5 s) and fails saying why, writing nothing (a compaction beside another writer's
+    # unfinished snapshot would drop its parts).
+    keys = sorted(r.snapshot_key for r in read_segments(warehouse).collect())
+    with snapshot_lock(warehouse):
+        blocked = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=AssetSelection.groups("snapshots"),
+                              resources=dagster_resources, raise_on_error=False,
+                              run_config={"ops": {"txn_snapshot_segments": {"config": {"force": True, "lock_timeout_s": 0.5}}}})
+    assert not blocked.success
+    [failure] = [e for e in blocked.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert "another txnlake process is writing the transaction-buffer snapshots" in str(failure.event_specific_data.error)
+    assert sorted(r.snapshot_key for r in read_segments(warehouse).collect()) == keys
 
     # The check fails when the recovered table disagrees with the full replay.
     wrong = warehouse.read(RECOVERED_BUFFER_STATE).withColumn("max_read_entry_id", F.lit(-5).cast("long"))

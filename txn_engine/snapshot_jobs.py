@@ -21,9 +21,10 @@ The same design as the reference `txn_engine.snapshots` (the oracle; docs/snapsh
 from __future__ import annotations
 
 import secrets
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
@@ -42,6 +43,7 @@ from txn_engine.buffer_jobs import (
 )
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledgers import recorded_deleted_ledgers
+from txn_engine.locks import table_lock
 from txn_engine.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
@@ -111,6 +113,22 @@ def bad_row_reason() -> Column:
 
 
 # -- writing ------------------------------------------------------------------------------------
+
+SNAPSHOT_LOCK = "txn_snapshot_writer"  # a lock file of its own beside the tables' (`WarehouseSettings.lock_path`)
+SNAPSHOT_LOCK_TIMEOUT_S = 1800.0
+
+
+@contextmanager
+def snapshot_lock(wh: Warehouse, timeout_s: float = SNAPSHOT_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """One snapshot run at a time per warehouse, across processes (the sensor's, the schedule's,
+    `txnlake snapshot`), as one broker owns a Pulsar topic's snapshots: the segments table's own
+    lock covers one commit, and a compaction between another writer's parts and its end drops those
+    parts (the end then names a snapshot without them). Not taken by `write_snapshots` itself."""
+    with table_lock(wh.settings.lock_path(SNAPSHOT_LOCK), timeout_s,
+                    guarded="the transaction-buffer snapshots of this warehouse (a snapshot run: `txnlake snapshot`, "
+                            "the take_snapshots job)"):
+        yield
+
 
 def snapshot_segments(aborted: DataFrame, stable: DataFrame, snapshot_ids: DataFrame, config: SnapshotConfig) -> DataFrame:
     """The segments (no write_seq yet) of a snapshot of each topic in `snapshot_ids` (topic, snapshot_id).
