@@ -9,7 +9,7 @@ from dagster import AssetSelection, DagsterInstance, DagsterRun, DagsterRunStatu
 from dagster import build_sensor_context, materialize
 
 from assets.transaction_buffer import POOL
-from pipelines.buffer_sensors import CATALOG_TAG, ledgers_catalog_job, ledgers_closed_sensor, retry_after_s, transaction_buffer_job
+from pipelines.buffer_sensors import ledgers_catalog_job, ledgers_closed_sensor, retry_after_s, transaction_buffer_job
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.rows import entry, write_jsonl
