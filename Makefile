@@ -52,7 +52,10 @@ test: setup
 bench: setup
 	$(PY) -m benchmarks.run
 
+## ui: the webserver and the daemon on DAGSTER_HOME; the transaction_buffer pool gets its limit row
+## first (`pipelines.cli.ensure_pool_limits`: Dagster 1.13 makes it too late on a new home).
 ui: setup $(DAGSTER_HOME)/dagster.yaml
+	@$(PY) -c 'import pipelines.cli as c; c.prepare_instance()'
 	$(VENV)/bin/dagster dev -w workspace.yaml
 
 clean-warehouse:

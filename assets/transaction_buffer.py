@@ -38,6 +38,7 @@ from resources.warehouse import WarehouseResource
 from txn_engine.buffer_checks import committed_once, markers_match, stable_moves_back
 from txn_engine.buffer_incremental import refresh_buffer
 from txn_engine.delta_io import DeltaTables
+from txn_engine.errors import TxnlakeError
 from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -69,9 +70,11 @@ DESCRIPTIONS = {
     pool=POOL,
 )
 def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
+    keys = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    if not (context.has_partition_key or context.has_partition_key_range):
+        raise NoLedgerPartitionError(no_partition_message(len(keys)))
     # Started only if the run needs Spark: an incremental run small enough for the driver does not.
     wh = warehouse.open(spark.session)
-    keys = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     # The range as Dagster resolves it (partition order: the order keys were added, which is not
     # ledger order across topics), so the ledgers computed are the partitions marked materialized.
     in_range = context.partition_keys
@@ -94,6 +97,20 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
         yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
     # After the run's own materializations (those of its range), which carry the tables' metadata.
     _record_partitions_beyond_range(context, refresh, keys, in_range)
+
+
+class NoLedgerPartitionError(TxnlakeError):
+    """A buffer run launched without a ledger partition (e.g. `derive_all` from the UI with none picked)."""
+
+
+def no_partition_message(known_partitions: int) -> str:
+    """What to do when the buffer tables are launched without a ledger partition."""
+    where = (f"launch it over ledger partitions ({known_partitions} known): pick a partition or a range in the "
+             "launchpad, or backfill a range (all partitions: a full recompute)" if known_partitions else
+             "the instance has no ledger partition yet: ledgers_closed_sensor adds them as ledgers close "
+             "(turn it on), or `txnlake run` does")
+    return ("the transaction buffer tables are partitioned by ledger and this run has no partition; "
+            f"{where}; or run `txnlake run`, which derives every table over all closed ledgers")
 
 
 def _record_partitions_beyond_range(context: AssetExecutionContext, refresh, keys: list[str], in_range: list[str]) -> None:

@@ -13,6 +13,13 @@ is not). A failed run is asked again after a backoff: 1, 2, 4 ... minutes, at mo
 cursor keeps, per such ledger, the counts, request and attempt of its last request, and the runs
 carry the request as a tag (`REQUEST_TAG`): a tick while they are queued or running asks nothing
 more, and one after they failed knows it.
+
+The sensor decides from the `ledgers` catalog, so first it keeps that fresh: when the catalog is
+stale (`txn_engine.ledgers.stale_catalog`, the predicate the `txnlake` commands use: missing while
+ledger_entries exists, or older than an ingest, the engine's appends, an offload's or a retention
+run's changes) it requests a run of `ledgers_catalog` and nothing else, one at a time: none while
+one is queued or running, and after a failed one (for the same ledger_entries version) only once
+the same backoff has passed. The next tick after the catalog run does the above.
 """
 
 from __future__ import annotations
@@ -52,11 +59,14 @@ from txn_engine.buffer_incremental import (
     read_catalog,
     stored_ledger_counts,
 )
+from txn_engine.delta_io import DeltaTables
+from txn_engine.ledgers import stale_catalog
 from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import LEDGERS
+from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
 from txn_engine.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
+CATALOG_TAG = "txnlake/catalog_for"  # on the catalog runs the sensor requests: what they were asked for
 REQUEST_TAG = "txnlake/buffer_request"  # on the runs the sensor requests: which request, which attempt
 RETRY_BACKOFF_S = 60.0  # a failed run is requested again after this, doubled per attempt ...
 RETRY_BACKOFF_MAX_S = 3600.0  # ... up to an hour
@@ -66,6 +76,12 @@ transaction_buffer_job = define_asset_job(
     "transaction_buffer",
     selection=BUFFER_SELECTION,  # partitioned by ledger, as its assets are
     description="Recompute the transaction buffer tables for a ledger range (and the ledgers that changed).",
+)
+ledgers_catalog_job = define_asset_job(
+    "ledgers_catalog",
+    selection=AssetSelection.assets(LEDGERS),
+    description="Materialize the `ledgers` catalog from ledger_entries (ledgers_closed_sensor asks for it when "
+                "the catalog is stale: after an ingest, the engine's appends, an offload or a retention run).",
 )
 
 
@@ -124,18 +140,49 @@ def _requested_runs_state(instance: DagsterInstance, request: str) -> str:
     return "failed"
 
 
+def catalog_request(instance: DagsterInstance, wh: Warehouse, stale: str, now: float) -> RunRequest | SkipReason:
+    """A run of `ledgers_catalog` for a stale catalog (`stale`: why), unless one is queued or running,
+    or the last one asked for the same ledger_entries version failed less than its backoff ago."""
+    # Its own runs, and any other that materializes the catalog (derive_all, a UI materialization).
+    unfinished = [r.dagster_run for r in instance.get_run_records(
+                      RunsFilter(statuses=[s for s in DagsterRunStatus if s not in FINISHED]), limit=200)
+                  if r.dagster_run.job_name == ledgers_catalog_job.name
+                  or AssetKey(LEDGERS) in (r.dagster_run.asset_selection or ())]
+    if unfinished:
+        return SkipReason(f"the `ledgers` catalog is stale ({stale}); run {unfinished[0].run_id}, which materializes "
+                          "it, is queued or running")
+    entries = DeltaTables(wh).last_commit(LEDGER_ENTRIES) or {}
+    asked_for = str(entries.get("version"))
+    earlier = instance.get_run_records(filters=RunsFilter(job_name=ledgers_catalog_job.name, tags={CATALOG_TAG: asked_for}))
+    if earlier:  # latest first; all finished. A successful one that left the catalog stale counts as failed.
+        last_end = earlier[0].end_time or earlier[0].update_timestamp.timestamp()
+        if now < last_end + retry_after_s(len(earlier) - 1):
+            return SkipReason(f"the `ledgers` catalog is stale ({stale}); its last run {earlier[0].dagster_run.run_id} "
+                              f"ended {earlier[0].dagster_run.status.value}: asking again after a backoff")
+    return RunRequest(job_name=ledgers_catalog_job.name, run_key=f"catalog-{asked_for}-{int(now * 1000)}",
+                      tags={CATALOG_TAG: asked_for})
+
+
 def retry_after_s(attempt: int) -> float:
     """How long after the `attempt`-th request (0: the first) of a ledger its failed run is requested again."""
     return min(RETRY_BACKOFF_S * 2 ** attempt, RETRY_BACKOFF_MAX_S)
 
 
-@sensor(job=transaction_buffer_job, minimum_interval_seconds=60,
-        description="Adds the partition keys of newly closed ledgers and runs the transaction buffer over them "
+@sensor(jobs=[transaction_buffer_job, ledgers_catalog_job], minimum_interval_seconds=60,
+        description="Materializes the `ledgers` catalog when it is stale (after an ingest, an offload or a retention "
+                    "run); adds the partition keys of newly closed ledgers and runs the transaction buffer over them "
                     "(and over a ledger that was a partition while OPEN, once it has closed); retries a failed run.")
 def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
     # The catalog and the state are read by delta-rs: a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
     instance = context.instance
+    if not wh.exists(LEDGER_ENTRIES):
+        return SkipReason("no ledger_entries yet: ingest a ledger file first (`txnlake ingest FILE`, or the `ingest` job)")
+    stale = stale_catalog(wh)
+    if stale is not None:
+        # Nothing is decided from a stale catalog: it would miss the new ledgers, and still list
+        # the ledgers a retention run deleted. The cursor is kept for the tick after the refresh.
+        return catalog_request(instance, wh, stale, time.time())
     new, to_run = closed_ledgers_of(wh, instance)
     # The cursor: per closed ledger that needs a run, the counts, request and attempt of its last run request.
     requested: dict[str, dict] = json.loads(context.cursor) if context.cursor else {}
@@ -168,14 +215,14 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
     if not new and not known_keys:
         if waiting:
             return SkipReason(f"the buffer run for {len(waiting)} closed ledger(s) failed; asking again after a backoff")
-        return SkipReason("no newly closed ledger in the `ledgers` catalog, and the buffer state holds "
+        return SkipReason("no newly closed ledger in the `ledgers` catalog (fresh), and the buffer state holds "
                           "(or a requested run is computing) every closed one")
     tags = {REQUEST_TAG: request}
     runs = []
     if new:
-        runs.append(RunRequest(run_key=f"ledgers-{new[0]}-{new[-1]}-{request}", tags={**tags, **range_tags(new[0], new[-1])}))
+        runs.append(RunRequest(job_name=transaction_buffer_job.name, run_key=f"ledgers-{new[0]}-{new[-1]}-{request}", tags={**tags, **range_tags(new[0], new[-1])}))
     if known_keys:
         # Partitions already: a log's first ledgers (added together while OPEN) or retried ones.
-        runs.append(RunRequest(run_key=f"behind-{known_keys[0]}-{known_keys[-1]}-{request}",
+        runs.append(RunRequest(job_name=transaction_buffer_job.name, run_key=f"behind-{known_keys[0]}-{known_keys[-1]}-{request}",
                                tags={**tags, **range_tags(known_keys[0], known_keys[-1])}))
     return SensorResult(run_requests=runs, dynamic_partitions_requests=[LEDGER_PARTITIONS.build_add_request(new)] if new else [])

@@ -47,7 +47,30 @@ def _instance():
     if not os.path.exists(config):
         with open(config, "w") as f:
             f.write(DAGSTER_YAML)
-    return DagsterInstance.from_config(home)
+    instance = DagsterInstance.from_config(home)
+    ensure_pool_limits(instance)
+    return instance
+
+
+def ensure_pool_limits(instance) -> None:
+    """Give txnlake's pools their limit row now (the instance's `default_limit`, 1 in DAGSTER_YAML),
+    unless the pool has one already (set by Dagster, or by hand in the UI: kept as it is).
+
+    Dagster 1.13 creates a pool's default limit lazily, in the same daemon pass that reads the limits
+    from a list taken before: on a new DAGSTER_HOME the first queued runs of the pool all launch
+    together. Cheap (one read of the instance's limit table) and idempotent; `make ui` calls it too.
+    """
+    from assets.transaction_buffer import POOL
+
+    storage = instance.event_log_storage
+    if POOL not in storage.get_concurrency_keys():
+        storage.initialize_concurrency_limit_to_default(POOL)
+
+
+def prepare_instance() -> None:
+    """`python -c 'import pipelines.cli as c; c.prepare_instance()'` (make ui): DAGSTER_HOME's
+    dagster.yaml if missing, and the pools' limits."""
+    _instance()
 
 
 def _open_warehouse():
@@ -361,18 +384,17 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 
 def _refresh_stale_catalog(instance, wh) -> None:
-    """Materialize `ledgers` when it is missing or older than ledger_entries' last rows (an ingest
-    since the last `txnlake run`), and add its newly closed ledgers as partitions."""
+    """Materialize `ledgers` when it is stale (`txn_engine.ledgers.stale_catalog`, the predicate
+    `ledgers_closed_sensor` decides with too: missing, or older than what it is derived from, e.g. an
+    ingest since the last `txnlake run`), and add its newly closed ledgers as partitions."""
     from dagster import AssetSelection
 
-    from txn_engine.delta_io import DeltaTables
+    from txn_engine.ledgers import stale_catalog
     from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
 
-    tables = DeltaTables(wh)
     if not wh.exists(LEDGER_ENTRIES):
         raise wh.missing(LEDGER_ENTRIES)
-    entries, catalog = tables.last_rows_commit(LEDGER_ENTRIES), tables.last_commit(LEDGERS)
-    if catalog is None or entries is None or catalog["timestamp"] < entries["timestamp"]:
+    if stale_catalog(wh) is not None:
         _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))
     _add_closed_ledger_partitions(instance, wh)
 

@@ -31,7 +31,7 @@ from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SN
 from assets.sql_models import GROUP as SQL_MODELS_GROUP
 from assets.sql_models import sql_model_assets
 from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
-from pipelines.buffer_sensors import ledgers_closed_sensor, transaction_buffer_job
+from pipelines.buffer_sensors import ledgers_catalog_job, ledgers_closed_sensor, transaction_buffer_job
 from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
@@ -103,7 +103,7 @@ RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, transaction_buffer_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job,
+    jobs=[derive_all_job, ingest_job, transaction_buffer_job, ledgers_catalog_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job,
           maintenance_job],
     sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS, offload_eligible_ledgers],
     schedules=[*SNAPSHOT_SCHEDULES, retention_schedule, maintenance_schedule],

@@ -16,6 +16,7 @@ from txn_engine.schema import (
     LEDGER_STATES,
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
+    LEDGERS,
     LEDGERS_SCHEMA,
 )
 from txn_engine.delta_io import DeltaTables
@@ -171,3 +172,34 @@ def immutable_ledgers(warehouse: Warehouse) -> DataFrame:
     return both.withColumn(
         "state", F.when(F.col("deleted_first_entry_id").isNotNull(), F.lit("DELETED")).otherwise(F.col("state"))
     )
+
+
+# What the `ledgers` catalog is derived from (`current_ledger_catalog`): the log, the recorded
+# states (the engine's rollover, retention's DELETED) and retention's deleted_ledgers.
+CATALOG_SOURCES = (LEDGER_ENTRIES, LEDGER_STATES_LOG, DELETED_LEDGERS)
+
+
+def stale_catalog(warehouse: Warehouse) -> str | None:
+    """Why the `ledgers` catalog must be materialized again before what reads it is right, or None
+    when it is fresh (or when there is no ledger_entries to catalog).
+
+    Stale: the catalog is missing while ledger_entries exists, or one of its sources changed rows
+    after the catalog's last commit (an ingest, the engine's appends or state transitions, a
+    retention run's deletes). Table maintenance (VACUUM, OPTIMIZE) changes no rows and does not count.
+    Read by delta-rs (commit infos only): the `txnlake` commands and `ledgers_closed_sensor` (no JVM
+    in a sensor) decide with it.
+    """
+    if not warehouse.exists(LEDGER_ENTRIES):
+        return None
+    tables = DeltaTables(warehouse)
+    catalog = tables.last_commit(LEDGERS)
+    if catalog is None:
+        return "the `ledgers` catalog does not exist yet, while ledger_entries does"
+    for source in CATALOG_SOURCES:
+        # Its last commit that changed rows; when only maintenance commits are among its latest
+        # (so that one is unknown), its very last commit: a catalog newer than that is fresh.
+        changed = tables.last_rows_commit(source) or tables.last_commit(source)
+        if changed is not None and changed["timestamp"] > catalog["timestamp"]:
+            return (f"{source} changed (version {changed.get('version')}, {changed.get('operation')}) after the "
+                    f"`ledgers` catalog was last materialized (version {catalog.get('version')})")
+    return None
