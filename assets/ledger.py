@@ -1,7 +1,19 @@
 """Assets of the raw log: `ledger_entries` (with `quarantine_entries`) and the `ledgers` catalog."""
 
 
-from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, asset, multi_asset
+from dagster import (
+    AssetExecutionContext,
+    AssetMaterialization,
+    AssetSpec,
+    Config,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    OpExecutionContext,
+    asset,
+    job,
+    op,
+)
 from pydantic import Field
 
 from assets.metadata import table_metadata
@@ -22,23 +34,29 @@ class IngestConfig(Config):
     )
 
 
-@multi_asset(
-    specs=[
-        AssetSpec(
-            LEDGER_ENTRIES,
-            group_name=GROUP,
-            description="Every entry of every ledger, validated; appended by ingest and by the engine.",
-        ),
-        AssetSpec(
-            QUARANTINE_ENTRIES,
-            group_name=GROUP,
-            description="Input rows that failed validation, with rule, reason, file and line.",
-        ),
-    ],
-)
+# The raw log is written by jobs, not by materializing the asset graph: `ingest` (raw files) and the
+# engine (`demo`, producers). So these are external assets whose materializations those jobs
+# report, and the UI's "Materialize all" recomputes what is derived from them, without asking for
+# files or writing a demo workload into the warehouse.
+LEDGER_SPECS = [
+    AssetSpec(
+        LEDGER_ENTRIES,
+        group_name=GROUP,
+        description="Every entry of every ledger, validated; appended by the `ingest` job (`txnlake ingest`) and by "
+        "the transaction engine (the `demo` job, producers), which report its materializations.",
+    ),
+    AssetSpec(
+        QUARANTINE_ENTRIES,
+        group_name=GROUP,
+        description="Input rows that failed validation, with rule, reason, file and line (written by the `ingest` job).",
+    ),
+]
+
+
+@op(name="ingest_ledger_entries", description="Validate raw ledger files and append them to ledger_entries.")
 def ingest_ledger_entries(
-    context: AssetExecutionContext, config: IngestConfig, spark: SparkResource, warehouse: WarehouseResource
-):
+    context: OpExecutionContext, config: IngestConfig, spark: SparkResource, warehouse: WarehouseResource
+) -> None:
     """Ingest raw ledger files: valid rows to ledger_entries, invalid ones to quarantine_entries."""
     if not config.paths:
         raise Failure(
@@ -64,8 +82,14 @@ def ingest_ledger_entries(
         # A warning, not an error: ledgers written to whose entry ids are not dense.
         "entry_id_gaps": MetadataValue.json(summary.entry_id_gaps),
     }
-    yield MaterializeResult(asset_key=LEDGER_ENTRIES, metadata=table_metadata(wh, LEDGER_ENTRIES, **common))
-    yield MaterializeResult(asset_key=QUARANTINE_ENTRIES, metadata=table_metadata(wh, QUARANTINE_ENTRIES, **common))
+    for table in (LEDGER_ENTRIES, QUARANTINE_ENTRIES):
+        context.log_event(AssetMaterialization(asset_key=table, metadata=table_metadata(wh, table, **common)))
+
+
+@job(name="ingest", description="Ingest raw ledger files: set ops.ingest_ledger_entries.config.paths (what `txnlake "
+     "ingest` does).")
+def ingest_job():
+    ingest_ledger_entries()
 
 
 @asset(

@@ -121,22 +121,28 @@ def _console_logger():
 
 def _materialize(selection, run_config: dict | None = None, instance=None, tags: dict | None = None,
                  partition_key: str | None = None):
-    """Materialize assets in this process (one SparkSession), unwrapping user errors.
-
-    `dagster.materialize` with our console logger: a user error (TxnlakeError) is raised as itself,
-    its message naming what to do, with a note of the run that holds the full log."""
-    from dagster import DagsterExecutionStepExecutionError, Definitions, define_asset_job
+    """Materialize assets in this process (one SparkSession), unwrapping user errors (`_execute`)."""
+    from dagster import define_asset_job
     from dagster._core.definitions.materialize import EPHEMERAL_JOB_NAME
+
+    return _execute(define_asset_job(EPHEMERAL_JOB_NAME, selection=selection), run_config, instance, tags, partition_key)
+
+
+def _execute(job, run_config: dict | None = None, instance=None, tags: dict | None = None,
+             partition_key: str | None = None):
+    """Run `job` (an asset job, or an op job such as `ingest`) in this process with our console
+    logger: a user error (TxnlakeError) is raised as itself, its message naming what to do, with a
+    note of the run that holds the full log."""
+    from dagster import DagsterExecutionStepExecutionError, Definitions
 
     from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, RESOURCES
 
     instance = instance or _instance()
     config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}, **(run_config or {})}
-    defs = Definitions(jobs=[define_asset_job(EPHEMERAL_JOB_NAME, selection=selection)], assets=[*ALL_ASSETS, *ALL_CHECKS],
-                       resources=RESOURCES, loggers={"console": _console_logger()})
+    defs = Definitions(jobs=[job], assets=[*ALL_ASSETS, *ALL_CHECKS], resources=RESOURCES, loggers={"console": _console_logger()})
     run_id = str(uuid.uuid4())
     try:
-        return defs.resolve_job_def(EPHEMERAL_JOB_NAME).execute_in_process(
+        return defs.resolve_job_def(job.name).execute_in_process(
             run_config=config, instance=instance, partition_key=partition_key, tags=tags, run_id=run_id,
         )
     except Exception as exc:
@@ -159,20 +165,15 @@ def _print_materializations(*results) -> None:
         mat = event.event_specific_data.materialization
         meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
         if "rows" not in meta:
-            continue  # not a table (the demo workload, whose outcome `txnlake demo` prints)
+            continue  # not a table
         print(f"  {mat.asset_key.to_user_string():<24} rows={meta.get('rows')}  {meta.get('table_location', '')}")
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from dagster import AssetSelection
-
+    from assets.ledger import ingest_job
     from txn_engine.ingest import gap_warnings
-    from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
 
-    result = _materialize(
-        AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES),
-        {"ops": {"ingest_ledger_entries": {"config": {"paths": list(args.paths)}}}},
-    )
+    result = _execute(ingest_job, {"ops": {"ingest_ledger_entries": {"config": {"paths": list(args.paths)}}}})
     events = result.get_asset_materialization_events()
     meta = {k: getattr(v, "value", v) for k, v in events[0].event_specific_data.materialization.metadata.items()}
     print(
@@ -292,16 +293,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from dagster import AssetSelection
-
-    from assets.engine import DEMO_WORKLOAD
+    from assets.engine import DEMO_WORKLOAD, demo_job
 
     config = {"producers": args.producers, "transactions_per_producer": args.transactions, "seed": args.seed}
-    result = _materialize(AssetSelection.assets(DEMO_WORKLOAD), {"ops": {DEMO_WORKLOAD: {"config": config}}})
-    # Its run also records the ledger_entries materialization: the outcome is on the demo's own.
-    [outcome] = [m.metadata["outcome"].value for m in (e.event_specific_data.materialization
-                 for e in result.get_asset_materialization_events()) if m.asset_key.path == [DEMO_WORKLOAD]]
-    print("demo workload through the engine:", outcome)
+    result = _execute(demo_job, {"ops": {DEMO_WORKLOAD: {"config": config}}})
+    print("demo workload through the engine:", result.output_for_node(DEMO_WORKLOAD))
     _print_materializations(result)
     return 0
 

@@ -12,10 +12,19 @@ instance config `txnlake` writes), so the daemon queues a second one.
 
 from __future__ import annotations
 
-from dagster import AssetKey, AssetSelection, AssetSpec, Definitions, define_asset_job, in_process_executor, map_asset_specs
+from dagster import (
+    AssetKey,
+    AssetsDefinition,
+    AssetSelection,
+    AssetSpec,
+    Definitions,
+    define_asset_job,
+    in_process_executor,
+    map_asset_specs,
+)
 
-from assets.engine import DEMO_WORKLOAD, abort_expired_job, demo_workload, txn_timeout_sensor
-from assets.ledger import ingest_ledger_entries, ledgers
+from assets.engine import abort_expired_job, demo_job, txn_timeout_sensor
+from assets.ledger import LEDGER_SPECS, ingest_job, ledgers
 from assets.offload import (
     OFFLOAD_CHECKS,
     OFFLOAD_SELECTION,
@@ -42,35 +51,34 @@ from txn_engine.sql_models import known_tables
 
 
 def _with_kinds(spec: AssetSpec) -> AssetSpec:
-    """The UI's kind tags: every asset is a Delta table; computed by Spark, by a SQL model on Spark,
-    or (the demo workload) by the engine in Python."""
-    if spec.key == AssetKey(DEMO_WORKLOAD):
-        return spec.merge_attributes(kinds={"python", "delta"})
+    """The UI's kind tags: every asset is a Delta table, computed by Spark or by a SQL model on Spark
+    (ledger_entries is also appended by the engine, in Python)."""
+    if spec.key == AssetKey(LEDGER_ENTRIES):
+        return spec.merge_attributes(kinds={"spark", "python", "delta"})
     if spec.group_name == SQL_MODELS_GROUP:
         return spec.merge_attributes(kinds={"sql", "spark", "delta"})
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 
 ALL_ASSETS = map_asset_specs(_with_kinds, [
-    ingest_ledger_entries,
+    *LEDGER_SPECS,
     ledgers,
     transaction_buffer_tables,
     *sql_model_assets(),
-    demo_workload,
     *SNAPSHOT_ASSETS,
     offload_tier,
     ledger_retention,
 ])
 ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 
-# Everything derived from what the warehouse already holds; ingest adds data and is not in it.
-# The demo workload writes through the engine: it runs only when asked (`txnlake demo`, its job).
+# Everything derived from what the warehouse already holds; ingest and the demo workload add data
+# (jobs of their own: `ingest`, `demo`) and are not assets.
 # Snapshots have their own loop (take_snapshots: sensor + schedule), as a broker's timer does.
 # The offload tier is partitioned by ledger and runs per ledger (offload job, sensor); what reads it
 # (tier_sizes) follows an offload, not every `txnlake run`; so does retention (deleted_ledgers).
 DERIVED_SELECTION = (
     AssetSelection.all()
-    - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, DEMO_WORKLOAD)
+    - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES)
     - AssetSelection.groups(SNAPSHOT_GROUP)
     - OFFLOAD_SELECTION.downstream()
 )
@@ -80,20 +88,8 @@ derive_all_job = define_asset_job(
     selection=DERIVED_SELECTION,
     description="Recompute every derived table from the current ledger_entries (what `txnlake run` does).",
 )
-ingest_job = define_asset_job(
-    "ingest",
-    selection=AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES),
-    description="Ingest raw ledger files: set ops.ingest_ledger_entries.config.paths.",
-)
-
-demo_job = define_asset_job(
-    "demo",
-    selection=AssetSelection.assets(DEMO_WORKLOAD),
-    description="Run the demo workload through the transaction engine (what `txnlake demo` does).",
-)
-
-# Every asset is the Delta table of its name, but demo_workload (a run of the engine, no table).
-ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in asset.keys}
+# Every asset is the Delta table of its name.
+ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])}
 # Every table txnlake writes: the assets', the buffer's state tables and the engine's (one list: schema.py).
 MAINTAINED_TABLES = list(known_tables())
 maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)

@@ -8,7 +8,7 @@ import pyarrow.compute as pc
 import pytest
 from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context, materialize
 
-from assets.engine import abort_expired_job, demo_workload, txn_timeout_sensor
+from assets.engine import abort_expired_job, demo_job, txn_timeout_sensor
 from pipelines.cli import main
 from pipelines.definitions import DERIVED_SELECTION, defs
 from tests.rows import entry, write_jsonl
@@ -20,23 +20,15 @@ from txn_engine.transaction_buffer import TxnId
 from txn_engine.txn_admin import TxnAdmin
 
 
-def test_demo_workload_asset_runs_only_when_asked(dagster_resources, warehouse):
-    assert AssetKey("demo_workload") not in DERIVED_SELECTION.resolve(defs.resolve_asset_graph())
+def test_demo_workload_job_reports_ledger_entries(dagster_resources, warehouse):
     config = {"producers": 3, "transactions_per_producer": 6, "timeout_ratio": 0.2, "abort_ratio": 0.2, "seed": 1}
-    result = materialize(
-        [demo_workload],
-        resources=dagster_resources,
-        run_config={"ops": {"demo_workload": {"config": config}}},
-    )
+    result = demo_job.execute_in_process(resources=dagster_resources, run_config={"ops": {"demo_workload": {"config": config}}})
     assert result.success
-    mats = {m.asset_key.path[-1]: m for m in (e.event_specific_data.materialization
-                                              for e in result.get_asset_materialization_events())}
-    # The engine wrote ledger_entries: the run records it (owned by ingest_ledger_entries) as
-    # materialized, with its rows; the demo's own materialization is the outcome, not a table's.
-    assert set(mats) == {"demo_workload", LEDGER_ENTRIES}
-    meta = mats["demo_workload"].metadata
-    assert "rows" not in meta and "dagster/row_count" not in meta
-    outcome = meta["outcome"].value
+    # The engine wrote ledger_entries: the run reports it materialized, with its rows and the outcome.
+    [mat] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
+    assert mat.asset_key.path == [LEDGER_ENTRIES]
+    outcome = result.output_for_node("demo_workload")
+    assert mat.metadata["demo_outcome"].value == outcome
     assert outcome["fenced_sends_refused"] == 1
     assert outcome["committed"] > 0 and outcome["aborted"] > 0
     assert outcome["timed_out"] == outcome["late_commits_refused"] > 0
@@ -44,8 +36,8 @@ def test_demo_workload_asset_runs_only_when_asked(dagster_resources, warehouse):
     states = [i.state for i in infos]
     assert states.count("COMPLETE_COMMIT") == outcome["committed"]
     assert "ONGOING" not in states  # everything the workload opened was decided
-    assert mats[LEDGER_ENTRIES].metadata["rows"].value == warehouse.read(LEDGER_ENTRIES).count()
-    assert mats[LEDGER_ENTRIES].metadata["written_by"].value == "demo_workload"
+    assert mat.metadata["rows"].value == warehouse.read(LEDGER_ENTRIES).count()
+    assert mat.metadata["written_by"].value == "demo_workload"
 
 
 def test_timeout_sensor_launches_the_abort(warehouse, dagster_resources):

@@ -10,7 +10,6 @@ import pytest
 from dagster import DagsterInstance, DefaultScheduleStatus
 from deltalake import DeltaTable, write_deltalake
 
-from assets.engine import DEMO_WORKLOAD
 from pipelines.definitions import ASSET_TABLES, MAINTAINED_TABLES, defs, maintenance_job
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer_incremental import STATE_TABLES
@@ -65,7 +64,7 @@ def test_table_maintenance_is_scheduled_and_covers_every_table():
     schedule = defs.resolve_schedule_def("table_maintenance_schedule")
     assert schedule.job_name == "table_maintenance" and schedule.default_status == DefaultScheduleStatus.RUNNING
     # One list of the tables (schema.py): every asset's table, the buffer's state and the engine's.
-    assert set(MAINTAINED_TABLES) == (ASSET_TABLES - {DEMO_WORKLOAD}) | set(STATE_TABLES) | set(ENGINE_TABLES)
+    assert set(MAINTAINED_TABLES) == ASSET_TABLES | set(STATE_TABLES) | set(ENGINE_TABLES)
     assert {COMMITTED_ENTRIES, OFFLOADED_ENTRIES} <= set(MAINTAINED_TABLES)
 
 
