@@ -46,7 +46,7 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 ## to keep an eye on the suite's time. `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=30
 
 ## bench: benchmarks; figures go to stdout and docs/benchmarks.md records them.
 bench: setup

@@ -6,7 +6,6 @@ from pipelines.cli import main
 from tests.test_buffer_jobs import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
 from txn_engine.buffer_jobs import aborted_txns, stable_positions
-from txn_engine.snapshots import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES
 from txn_engine.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
@@ -45,13 +44,3 @@ def test_snapshot_command_errors_then_snapshots(warehouse, warehouse_root, capsy
     assert warehouse.read(TXN_SNAPSHOT_STATE).first().state == "READY"
     [recovered] = [r.asDict(recursive=True) for r in warehouse.read(RECOVERED_BUFFER_STATE).collect()]
     assert recovered["source"] == "SNAPSHOT" and as_truth(recovered) == truth(entries, "busy")
-    # A bound the config accepts but this topic's segment cannot hold one abort under: refused before
-    # any write (was: exit 0, an end segment holding 1 of 5 aborts, the good snapshot compacted away).
-    too_small = SEGMENT_ENVELOPE_BYTES + ABORT_BYTES
-    assert main(["snapshot", "--force", "--max-segment-bytes", str(too_small)]) == 2
-    assert f"is too long for max_segment_bytes {too_small}" in capsys.readouterr().err
-    assert sorted(r.snapshot_key for r in warehouse.read(TXN_SNAPSHOT_SEGMENTS).collect()) == keys
-    # A bound past an int (1 TiB) is a bound like any other (was: Spark's CAST_OVERFLOW).
-    assert main(["snapshot", "--force", "--max-segment-bytes", str(2**40)]) == 0
-    assert "check recovered_state_equals_full_replay: passed" in capsys.readouterr().out
-    assert "busy-end" in {r.snapshot_key for r in warehouse.read(TXN_SNAPSHOT_SEGMENTS).collect()}

@@ -38,8 +38,11 @@ from txn_engine.snapshot_jobs import (
 )
 from txn_engine.snapshot_recovery import DriverLimits, recover_to_warehouse
 from txn_engine.snapshots import (
+    ABORT_BYTES,
+    SEGMENT_ENVELOPE_BYTES,
     Crash,
     SnapshotConfig,
+    SnapshotError,
     SnapshotSegment,
     Source,
     compacted_rows,
@@ -152,6 +155,16 @@ def test_writer_refuses_a_topic_without_stable_position(warehouse):
     with pytest.raises(ValueError, match="materialize stable_positions"):
         snapshot(warehouse, aborted_history("a", 1), ["a", "nowhere"])
     assert not warehouse.exists(TXN_SNAPSHOT_SEGMENTS)
+    # A bound the config accepts but under which this topic's segment cannot hold one abort: refused
+    # before any write (was: an end segment holding 1 of its aborts, a good snapshot compacted away).
+    too_small = SnapshotConfig(max_segment_bytes=SEGMENT_ENVELOPE_BYTES + ABORT_BYTES)
+    with pytest.raises(SnapshotError, match=f"too long for max_segment_bytes {too_small.max_segment_bytes}"):
+        snapshot(warehouse, aborted_history("a", 1), ["a"], too_small)
+    assert not warehouse.exists(TXN_SNAPSHOT_SEGMENTS)
+    # A bound past an int (1 TiB) is a bound like any other (was: Spark's CAST_OVERFLOW).
+    snapshot(warehouse, aborted_history("a", 3), ["a"], SnapshotConfig(max_segment_bytes=2**40))
+    [row] = read_segments(warehouse).collect()
+    assert (row.snapshot_key, row.abort_count, len(row.aborts)) == ("a-end", 3, 3)
 
 
 # -- PIP-178's scenarios, the leak fix and crashes, one topic each ------------------------------
