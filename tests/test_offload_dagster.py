@@ -9,7 +9,7 @@ from pathlib import Path
 
 import uuid
 
-from dagster import (AssetKey, AssetSelection, DagsterInstance, DagsterRun, DagsterRunStatus, SensorResult, SkipReason,
+from dagster import (AssetKey, AssetsDefinition, AssetSelection, DagsterInstance, DagsterRun, DagsterRunStatus, SensorResult, SkipReason,
                      build_sensor_context, materialize)
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
@@ -24,7 +24,7 @@ from txn_engine.offload import OffloadWaitingError, offload_candidates
 from txn_engine.positions import ledger_partition_key as key
 from txn_engine.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
-TIER_SIZES = [a for a in ALL_ASSETS if AssetKey("tier_sizes") in a.keys]
+TIER_SIZES = [a for a in ALL_ASSETS if isinstance(a, AssetsDefinition) and AssetKey("tier_sizes") in a.keys]
 
 
 def offload_run(resources, instance, **kwargs):
