@@ -42,11 +42,13 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 	@echo "Open the UI:  make ui   (DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -w workspace.yaml)"
 
 ## test: the whole suite on real Spark, Delta and Dagster, on TEST_WORKERS processes with a JVM
-## each (one JVM leaves a third of 2 cores idle: docs/benchmarks.md); it lists its slowest tests,
-## to keep an eye on the suite's time. `make test TEST_WORKERS=0` runs it in this process.
+## each (one JVM leaves a third of 2 cores idle: docs/benchmarks.md). A worker that runs out of
+## tests takes half of the other's queue (worksteal): with xdist's default the two finished 200 s
+## apart. It lists its slowest tests, to keep an eye on the suite's time.
+## `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30
 
 ## bench: benchmarks; figures go to stdout and docs/benchmarks.md records them.
 bench: setup

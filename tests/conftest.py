@@ -16,10 +16,19 @@ import pytest
 # collector: a buffer and a snapshot slice in a fresh JVM ran 25% faster (1.4-1.6x less JVM CPU);
 # in the whole suite the slowest tests ~10% (docs/benchmarks.md). The collector is every run's
 # default (`resources.spark`); the JIT and codegen-cache settings are for tests only.
+# Most tests also evaluate expressions interpreted, without generating and compiling Java per
+# query (Spark's own suites run both ways): on a few rows the compiling is most of a query's
+# JVM time (16% of its samples in a derive run), and the suite's slowest tests ran 15-20% faster
+# (docs/benchmarks.md). The differential tests, Spark against the reference on random histories,
+# run with Spark's production codegen (`production_codegen`), as `make run` and every
+# subprocess the tests start do.
+PRODUCTION_CODEGEN = {"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK"}
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC -XX:CompileThresholdScaling=10",
     "spark.sql.codegen.cache.maxEntries": "10000",
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
     "spark.sql.shuffle.partitions": "4",
     "spark.app.name": "txnlake-tests",
 }
@@ -30,6 +39,16 @@ def spark():
     from resources.spark import get_spark
 
     return get_spark(conf=TEST_SPARK_CONF)
+
+
+@pytest.fixture
+def production_codegen(spark):
+    """Spark's codegen as outside the tests (whole-stage, generated expressions) for one test."""
+    for key, value in PRODUCTION_CODEGEN.items():
+        spark.conf.set(key, value)
+    yield spark
+    for key in PRODUCTION_CODEGEN:
+        spark.conf.set(key, TEST_SPARK_CONF[key])
 
 
 @pytest.fixture

@@ -415,9 +415,10 @@ def brief(entries: list[LogEntry]) -> list[tuple]:
 # ~45 histories. No shrinking: a shrink step costs a Spark computation; the failure message
 # names the history and table instead, with the history itself.
 @settings(max_examples=5, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(st.lists(history(), min_size=8, max_size=10))
-def test_random_histories_equal_the_reference(spark, histories):
+def test_random_histories_equal_the_reference(production_codegen, histories):
+    spark = production_codegen
     # Every history gets its own topics (h<i>-<topic>): one Spark computation checks them all.
     entries = [x for i, h in enumerate(histories) for x in in_topic(f"h{i}-", h, prefix=True)]
     tables = compute_buffer_tables(frame(spark, entries))
