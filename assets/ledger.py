@@ -21,7 +21,7 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.delta_io import overwrite_small
 from txn_engine.ingest import gap_warnings, ingest_files
-from txn_engine.ledgers import current_ledger_catalog
+from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog
 from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
 GROUP = "ledger"
@@ -100,9 +100,10 @@ def ingest_job():
 )
 def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
     wh = warehouse.open(spark.session())
+    sources = catalog_source_versions(wh)  # before reading them: what `stale_catalog` compares with
     catalog = current_ledger_catalog(wh).cache()
     try:
-        overwrite_small(wh, LEDGERS, catalog)  # a row per ledger
+        overwrite_small(wh, LEDGERS, catalog, commit_metadata=sources)  # a row per ledger
         states = {r["state"]: r["n"] for r in catalog.groupBy("state").count().withColumnRenamed("count", "n").collect()}
         rows = sum(states.values())
     finally:

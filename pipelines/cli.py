@@ -158,15 +158,17 @@ def _execute(job, run_config: dict | None = None, instance=None, tags: dict | No
 
 def _print_materializations(*results) -> None:
     # A run over a partition range reports each asset once per partition, and several runs may
-    # materialize one asset: print each asset once, as last materialized.
-    latest = {e.event_specific_data.materialization.asset_key: e
-              for result in results for e in result.get_asset_materialization_events()}
-    for event in latest.values():
-        mat = event.event_specific_data.materialization
-        meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
-        if "rows" not in meta:
-            continue  # not a table
-        print(f"  {mat.asset_key.to_user_string():<24} rows={meta.get('rows')}  {meta.get('table_location', '')}")
+    # materialize one asset: print each table once, as last written. The partitions a full buffer
+    # run recomputed beside its own carry no table figures (`recomputed_by_run_range`): skipped.
+    latest = {}
+    for result in results:
+        for event in result.get_asset_materialization_events():
+            mat = event.event_specific_data.materialization
+            meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
+            if "rows" in meta:
+                latest[mat.asset_key] = meta
+    for key, meta in latest.items():
+        print(f"  {key.to_user_string():<24} rows={meta['rows']}  {meta.get('table_location', '')}")
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -267,7 +269,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from dagster import AssetSelection
+    from dagster import AssetCheckSeverity, AssetSelection
 
     from assets.snapshots import GROUP
 
@@ -278,9 +280,14 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
         config["max_segment_bytes"] = args.max_segment_bytes
     result = _materialize(AssetSelection.groups(GROUP), {"ops": {"txn_snapshot_segments": {"config": config}}})
     _print_materializations(result)
+    failed = False
     for check in result.get_asset_check_evaluations():
-        print(f"  check {check.check_name}: {'passed' if check.passed else 'FAILED'}")
-    return 0 if all(c.passed for c in result.get_asset_check_evaluations()) else 1
+        # A warning (the recovery's log moved on during the run) says what it is; only errors fail.
+        warning = not check.passed and check.severity == AssetCheckSeverity.WARN
+        failed = failed or not (check.passed or warning)
+        status = "passed" if check.passed else f"warning: {check.description}" if warning else "FAILED"
+        print(f"  check {check.check_name}: {status}")
+    return 1 if failed else 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -12,11 +12,14 @@ instance config `txnlake` writes), so the daemon queues a second one.
 
 from __future__ import annotations
 
+import warnings
+
 from dagster import (
     AssetKey,
     AssetsDefinition,
     AssetSelection,
     AssetSpec,
+    BetaWarning,
     Definitions,
     define_asset_job,
     in_process_executor,
@@ -95,6 +98,17 @@ MAINTAINED_TABLES = list(known_tables())
 maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)
 
 RESOURCES = {"spark": SparkResource(), "warehouse": WarehouseResource(), "engine": EngineResource()}
+
+
+def ignore_dagsters_own_owners_warning() -> None:
+    """Dagster 1.13 passes the beta `owners` parameter itself when it binds the resources to the
+    sensors' jobs (`SensorDefinition.with_attributes`), whether a sensor has owners or not (ours
+    have none): a BetaWarning on every code load and every run, about nothing we chose."""
+    warnings.filterwarnings("ignore", message="Parameter `owners` of initializer `SensorDefinition.__init__`",
+                            category=BetaWarning)
+
+
+ignore_dagsters_own_owners_warning()
 
 defs = Definitions(
     assets=ALL_ASSETS,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dagster import AssetKey, AssetSelection, materialize
+import warnings
+
+from dagster import AssetKey, AssetSelection, BetaWarning, Definitions, materialize
 
 from assets.offload import retention_job
-from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs
+from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs, ignore_dagsters_own_owners_warning
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES
@@ -18,6 +20,14 @@ def metadata_of(result, key: str) -> dict:
 
 
 def test_definitions_load_with_every_asset_and_sql_deps():
+    # Resolving the definitions warns about nothing we chose: Dagster's own `owners` BetaWarning is
+    # filtered when they are imported (pytest resets the filters around each test: here again);
+    # any other beta or deprecation warning shows here.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", category=Warning)
+        ignore_dagsters_own_owners_warning()
+        Definitions.merge(defs).get_repository_def()
+    assert not [str(w.message) for w in caught if issubclass(w.category, (BetaWarning, DeprecationWarning))]
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
     assert {LEDGER_ENTRIES, QUARANTINE_ENTRIES, LEDGERS, "ledger_sizes"} <= keys

@@ -14,7 +14,8 @@ from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.rows import entry, write_jsonl
 from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import stale_catalog
+from txn_engine.delta_io import DeltaTables, overwrite_small
+from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog, stale_catalog
 from txn_engine.positions import ledger_partition_key
 from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
 
@@ -69,6 +70,8 @@ def test_sensor_materializes_a_stale_catalog_before_deciding(warehouse, dagster_
     # The catalog run: the next tick does what it did before, from a fresh catalog.
     refresh_catalog(instance, dagster_resources)
     assert stale_catalog(warehouse) is None
+    # The catalog's commit names the versions of its sources it was derived from.
+    assert int(DeltaTables(warehouse).last_commit(LEDGERS)[f"{LEDGER_ENTRIES}_version"]) == warehouse.version(LEDGER_ENTRIES)
     result = tick(instance, dagster_resources)
     assert isinstance(result, SensorResult)
     assert [r.job_name for r in result.run_requests] == [transaction_buffer_job.name]
@@ -127,3 +130,21 @@ def test_buffer_run_without_a_partition_says_what_to_do(warehouse, dagster_resou
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key(11), ledger_partition_key(12)])
     text = failure_text()
     assert "(2 known)" in text and "backfill a range" in text
+
+
+def test_a_catalog_derived_before_a_racing_ingest_is_stale(warehouse, tmp_path):
+    """A catalog run reads the log, an ingest commits, then the catalog commits: later than the
+    ingest, without its rows. Commit times called that fresh; the versions it was derived from do not."""
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", HISTORY))])
+    sources = catalog_source_versions(warehouse)
+    log_read = warehouse.spark.read.format("delta").option("versionAsOf", int(sources[f"{LEDGER_ENTRIES}_version"])) \
+        .load(warehouse.path(LEDGER_ENTRIES))
+    ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [entry("other", 13, 0, producer=6, seq=1)]))])
+    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse, entries=log_read), commit_metadata=sources)
+    tables = DeltaTables(warehouse)
+    assert tables.last_commit(LEDGERS)["timestamp"] >= tables.last_commit(LEDGER_ENTRIES)["timestamp"]
+    assert 13 not in {r.ledger_id for r in warehouse.read(LEDGERS).collect()}
+    reason = stale_catalog(warehouse)
+    assert reason and LEDGER_ENTRIES in reason and f"derived from its version {sources[f'{LEDGER_ENTRIES}_version']}" in reason
+    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse), commit_metadata=catalog_source_versions(warehouse))
+    assert stale_catalog(warehouse) is None

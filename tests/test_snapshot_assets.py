@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta, timezone
 
-from dagster import AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipReason, build_schedule_context, \
+from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipReason, build_schedule_context, \
     build_sensor_context, materialize
 
 from pyspark.sql import functions as F
@@ -79,6 +79,16 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     # More aborts: the triggers (changes since the snapshot, the interval), then a new snapshot.
     more = entries + [LogEntry("busy", 110, i, kind, 8, i // 2) for i, kind in enumerate(["DATA", "ABORT"] * 2)]
     warehouse.overwrite(LEDGER_ENTRIES, frame(warehouse.spark, more))
+    # The check alone now: the stored recovery is of the log before, which it says (a warning
+    # naming both versions and what to run), rather than calling the recovery wrong.
+    check_only = materialize([*ALL_ASSETS, *ALL_CHECKS], instance=instance, resources=dagster_resources,
+                             selection=AssetSelection.checks_for_assets(RECOVERED_BUFFER_STATE))
+    [stale] = check_only.get_asset_check_evaluations()
+    log_version = warehouse.version(LEDGER_ENTRIES)
+    assert (stale.passed, stale.severity, stale.metadata["ledger_entries_version"].value) == \
+        (False, AssetCheckSeverity.WARN, log_version)
+    assert stale.metadata["recovered_from_ledger_entries_version"].value < log_version
+    assert "materialize take_snapshots" in stale.description
     segments = read_segments(warehouse).localCheckpoint()
     taken = states["busy"].last_snapshot_at.replace(tzinfo=timezone.utc)
 

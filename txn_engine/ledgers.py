@@ -179,13 +179,26 @@ def immutable_ledgers(warehouse: Warehouse) -> DataFrame:
 CATALOG_SOURCES = (LEDGER_ENTRIES, LEDGER_STATES_LOG, DELETED_LEDGERS)
 
 
+def catalog_source_versions(warehouse: Warehouse) -> dict[str, str]:
+    """The versions of the catalog's sources (-1: not there yet), for the catalog's commit: taken
+    before the catalog reads them, so a write racing its run makes it stale, never fresh."""
+    tables = DeltaTables(warehouse)
+    return {f"{source}_version": str(_or_missing(tables.version(source))) for source in CATALOG_SOURCES}
+
+
+def _or_missing(version: int | None) -> int:
+    return -1 if version is None else version
+
+
 def stale_catalog(warehouse: Warehouse) -> str | None:
     """Why the `ledgers` catalog must be materialized again before what reads it is right, or None
     when it is fresh (or when there is no ledger_entries to catalog).
 
     Stale: the catalog is missing while ledger_entries exists, or one of its sources changed rows
-    after the catalog's last commit (an ingest, the engine's appends or state transitions, a
-    retention run's deletes). Table maintenance (VACUUM, OPTIMIZE) changes no rows and does not count.
+    (an ingest, the engine's appends or state transitions, a retention run's deletes) in a version
+    after the one the catalog was derived from (`catalog_source_versions`, in its commit). Table
+    maintenance (VACUUM, OPTIMIZE) changes no rows and does not count. A catalog written before it
+    recorded versions is compared by commit times instead, which an ingest racing its run fools.
     Read by delta-rs (commit infos only): the `txnlake` commands and `ledgers_closed_sensor` (no JVM
     in a sensor) decide with it.
     """
@@ -197,9 +210,17 @@ def stale_catalog(warehouse: Warehouse) -> str | None:
         return "the `ledgers` catalog does not exist yet, while ledger_entries does"
     for source in CATALOG_SOURCES:
         # Its last commit that changed rows; when only maintenance commits are among its latest
-        # (so that one is unknown), its very last commit: a catalog newer than that is fresh.
+        # (so that one is unknown), its very last commit.
         changed = tables.last_rows_commit(source) or tables.last_commit(source)
-        if changed is not None and changed["timestamp"] > catalog["timestamp"]:
+        if changed is None:
+            continue
+        derived_from = catalog.get(f"{source}_version")
+        if derived_from is not None:
+            newer = changed["version"] > int(derived_from)
+        else:
+            newer = changed["timestamp"] > catalog["timestamp"]
+        if newer:
+            seen = "" if derived_from is None else f", derived from its version {derived_from}"
             return (f"{source} changed (version {changed.get('version')}, {changed.get('operation')}) after the "
-                    f"`ledgers` catalog was last materialized (version {catalog.get('version')})")
+                    f"`ledgers` catalog was last materialized (version {catalog.get('version')}{seen})")
     return None

@@ -61,6 +61,9 @@ class DriverLimits:
     max_replayed_entries: int = 200_000  # entries after the snapshots (fed one by one in Python)
 
 
+RECOVERED_FROM_VERSION = "ledger_entries_version"  # commit metadata of recovered_buffer_state
+
+
 @dataclass
 class RecoverySummary:
     path: str  # "driver" or "spark" (the tail exceeded DriverLimits)
@@ -353,11 +356,14 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
         deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
     usable = {t: s for t, s in index.items() if s.fallback_reason is None}
     log = DeltaTable(warehouse.path(LEDGER_ENTRIES))
+    # The log's version this recovery starts from, in its commit: the check tells a recovery the
+    # log has since moved past (an ingest, a retention) from a wrong one (`stale_recovery`).
+    recovered_from = {RECOVERED_FROM_VERSION: str(log.version())}
     with _step(seconds, "tail"):
         tail = _tail(log, usable, limits) if usable else None
     if usable and tail is None:
         with _step(seconds, "spark"):
-            warehouse.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(warehouse))
+            warehouse.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(warehouse), commit_metadata=recovered_from)
         return RecoverySummary("spark", seconds=seconds)
     rows = []
     with _step(seconds, "replay"):
@@ -382,5 +388,17 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
                 reason = index[r["topic"]].fallback_reason if r["topic"] in index else "no snapshot yet"
                 rows.append({**r, "snapshot_id": None, "source": Source.FULL_REPLAY.value, "fallback_reason": reason})
     with _step(seconds, "write"):
-        tables.overwrite(RECOVERED_BUFFER_STATE, recovered_table(rows), RECOVERED_BUFFER_STATE_SCHEMA)
+        tables.overwrite(RECOVERED_BUFFER_STATE, recovered_table(rows), RECOVERED_BUFFER_STATE_SCHEMA,
+                         commit_metadata=recovered_from)
     return RecoverySummary("driver", len(rows), sum(r["replayed_entries"] for r in rows), others, seconds)
+
+
+def stale_recovery(tables: DeltaTables) -> dict[str, int] | None:
+    """When `recovered_buffer_state` was recovered from an older `ledger_entries` than the current
+    one (rows ingested or deleted since), the two versions; None when it is current (or predates
+    this record). A full replay of today's log is then no test of it: recover again."""
+    recorded = (tables.last_rows_commit(RECOVERED_BUFFER_STATE) or {}).get(RECOVERED_FROM_VERSION)
+    current = tables.version(LEDGER_ENTRIES)
+    if recorded is None or current is None or int(recorded) == current:
+        return None
+    return {"recovered_from_ledger_entries_version": int(recorded), "ledger_entries_version": current}
