@@ -639,7 +639,10 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
       is an abort or may move the max read position: the batch count of the broker's
       changeMaxReadPositionAndAddAbortTimes (every marker of a topic without a snapshot).
     - due: the first snapshot as soon as the topic has transactional data; then after
-      `max_changes` changes, or after `interval_seconds` when anything changed.
+      `max_changes` changes, or after `interval_seconds` when anything changed; and when it is
+      INITIALIZING: snapshot runs hold the snapshot lock from here to their state's write, so
+      parts without their end seen here were left by a writer that stopped (a crash). Written
+      again, the topic is READY and the next compaction drops those parts.
     """
     now = now or datetime.now(timezone.utc)
     index = live_snapshots(segments)
@@ -675,6 +678,7 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
     has_txn_data = F.coalesce("_txn_entries", F.lit(0)) > 0
     reason = (
         F.when(~has_snapshot & has_txn_data, F.lit("first snapshot: the topic has transactional data"))
+        .when(unfinished, F.lit("an unfinished snapshot (parts without their end, its writer stopped): written again"))
         .when(has_snapshot & (changes >= config.max_changes),
               F.format_string("%d changes since the last snapshot (threshold %d)", changes, F.lit(config.max_changes)))
         .when(has_snapshot & (changes > 0) & (age >= config.interval_seconds),
