@@ -28,12 +28,12 @@ from txn_engine.schema import (
 from txn_engine.snapshot_jobs import (
     ENDS,
     PARTS,
+    TriggerConfig,
     compact_segments,
     compacted_segments,
     full_replay_states,
     read_segments,
     recover_from_warehouse,
-    TriggerConfig,
     recovery_mismatches,
     snapshot_states,
     write_snapshots,

@@ -164,6 +164,11 @@ DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpo
 MAINTENANCE_OPERATIONS = ("VACUUM START", "VACUUM END", "OPTIMIZE")
 
 
+def version_key(table: str) -> str:
+    """The commit metadata key of `table`'s version in `DeltaTables.versions`."""
+    return f"{table}_version"
+
+
 class DeltaTables:
     """Arrow reads and appends of the warehouse's Delta tables, without Spark."""
 
@@ -223,6 +228,19 @@ class DeltaTables:
         if isinstance(spark_metadata, dict):
             info.update({k: v for k, v in spark_metadata.items() if k not in info})
         return info
+
+    def versions(self, tables: Sequence[str]) -> dict[str, str]:
+        """Commit metadata naming each table's current version (-1: not there yet), under
+        `version_key(table)`: what a result derived from those tables records, so that
+        `rows_changed_after` can tell later whether they moved on."""
+        return {version_key(t): str(-1 if (v := self.version(t)) is None else v) for t in tables}
+
+    def rows_changed_after(self, table: str, version: int) -> dict[str, Any] | None:
+        """The table's last commit that changed rows, when it is after `version`; else None. When
+        only maintenance commits are among its latest (that one unknown), its very last commit.
+        Maintenance (VACUUM, OPTIMIZE) changes no rows and moves nothing on."""
+        changed = self.last_rows_commit(table) or self.last_commit(table)
+        return changed if changed is not None and changed["version"] > version else None
 
     def schema(self, table: str) -> T.StructType | None:
         """The table's schema from its Delta log (no data read), as Spark types (the log's JSON is

@@ -19,7 +19,7 @@ from txn_engine.schema import (
     LEDGERS,
     LEDGERS_SCHEMA,
 )
-from txn_engine.delta_io import DeltaTables
+from txn_engine.delta_io import DeltaTables, version_key
 from txn_engine.warehouse import Warehouse
 
 
@@ -180,14 +180,9 @@ CATALOG_SOURCES = (LEDGER_ENTRIES, LEDGER_STATES_LOG, DELETED_LEDGERS)
 
 
 def catalog_source_versions(warehouse: Warehouse) -> dict[str, str]:
-    """The versions of the catalog's sources (-1: not there yet), for the catalog's commit: taken
-    before the catalog reads them, so a write racing its run makes it stale, never fresh."""
-    tables = DeltaTables(warehouse)
-    return {f"{source}_version": str(_or_missing(tables.version(source))) for source in CATALOG_SOURCES}
-
-
-def _or_missing(version: int | None) -> int:
-    return -1 if version is None else version
+    """The versions of the catalog's sources, for the catalog's commit: taken before the catalog
+    reads them, so a write racing its run makes it stale, never fresh."""
+    return DeltaTables(warehouse).versions(CATALOG_SOURCES)
 
 
 def stale_catalog(warehouse: Warehouse) -> str | None:
@@ -209,17 +204,13 @@ def stale_catalog(warehouse: Warehouse) -> str | None:
     if catalog is None:
         return "the `ledgers` catalog does not exist yet, while ledger_entries does"
     for source in CATALOG_SOURCES:
-        # Its last commit that changed rows; when only maintenance commits are among its latest
-        # (so that one is unknown), its very last commit.
-        changed = tables.last_rows_commit(source) or tables.last_commit(source)
-        if changed is None:
-            continue
-        derived_from = catalog.get(f"{source}_version")
+        derived_from = catalog.get(version_key(source))
         if derived_from is not None:
-            newer = changed["version"] > int(derived_from)
+            changed = tables.rows_changed_after(source, int(derived_from))
         else:
-            newer = changed["timestamp"] > catalog["timestamp"]
-        if newer:
+            changed = tables.last_rows_commit(source) or tables.last_commit(source)
+            changed = changed if changed is not None and changed["timestamp"] > catalog["timestamp"] else None
+        if changed is not None:
             seen = "" if derived_from is None else f", derived from its version {derived_from}"
             return (f"{source} changed (version {changed.get('version')}, {changed.get('operation')}) after the "
                     f"`ledgers` catalog was last materialized (version {catalog.get('version')}{seen})")

@@ -30,7 +30,7 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import NARROW_COLUMNS
-from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan
+from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
 from txn_engine.positions import Position
 from txn_engine.schema import (
     ABORT_STRUCT,
@@ -59,9 +59,6 @@ class DriverLimits:
 
     max_scanned_entries: int = 2_000_000  # rows of the files left after skipping (read as Arrow)
     max_replayed_entries: int = 200_000  # entries after the snapshots (fed one by one in Python)
-
-
-RECOVERED_FROM_VERSION = "ledger_entries_version"  # commit metadata of recovered_buffer_state
 
 
 @dataclass
@@ -358,7 +355,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
     log = DeltaTable(warehouse.path(LEDGER_ENTRIES))
     # The log's version this recovery starts from, in its commit: the check tells a recovery the
     # log has since moved past (an ingest, a retention) from a wrong one (`stale_recovery`).
-    recovered_from = {RECOVERED_FROM_VERSION: str(log.version())}
+    recovered_from = {version_key(LEDGER_ENTRIES): str(log.version())}
     with _step(seconds, "tail"):
         tail = _tail(log, usable, limits) if usable else None
     if usable and tail is None:
@@ -394,11 +391,11 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
 
 
 def stale_recovery(tables: DeltaTables) -> dict[str, int] | None:
-    """When `recovered_buffer_state` was recovered from an older `ledger_entries` than the current
-    one (rows ingested or deleted since), the two versions; None when it is current (or predates
-    this record). A full replay of today's log is then no test of it: recover again."""
-    recorded = (tables.last_rows_commit(RECOVERED_BUFFER_STATE) or {}).get(RECOVERED_FROM_VERSION)
-    current = tables.version(LEDGER_ENTRIES)
-    if recorded is None or current is None or int(recorded) == current:
+    """When `ledger_entries` changed rows after the version `recovered_buffer_state` was recovered
+    from (rows ingested or deleted since), the two versions; None when it did not (or the recovery
+    predates this record). A full replay of today's log is then no test of it: recover again."""
+    recorded = (tables.last_rows_commit(RECOVERED_BUFFER_STATE) or {}).get(version_key(LEDGER_ENTRIES))
+    changed = None if recorded is None else tables.rows_changed_after(LEDGER_ENTRIES, int(recorded))
+    if changed is None:
         return None
-    return {"recovered_from_ledger_entries_version": int(recorded), "ledger_entries_version": current}
+    return {"recovered_from_ledger_entries_version": int(recorded), "ledger_entries_version": changed["version"]}
