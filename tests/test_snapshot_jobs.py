@@ -16,6 +16,7 @@ from tests.snapshot_histories import op_lists, replay_topic, simulate
 from tests.test_buffer_jobs import frame
 from txn_engine.buffer_jobs import aborted_txns, stable_positions
 from txn_engine.ledgers import record_ledger_states
+from txn_engine.locks import TableLockTimeout
 from txn_engine.positions import Position
 from txn_engine.schema import (
     LEDGER_ENTRIES,
@@ -35,6 +36,7 @@ from txn_engine.snapshot_jobs import (
     read_segments,
     recover_from_warehouse,
     recovery_mismatches,
+    snapshot_lock,
     snapshot_states,
     write_snapshots,
 )
@@ -249,6 +251,8 @@ def test_crash_after_each_commit_of_a_snapshot_write(warehouse):
 
 
 def test_racing_writers_on_one_topic(warehouse):
+    """Two writers of one topic's snapshots at once take turns (the snapshot lock): neither's
+    commits fall between the other's parts and end, and the last end written is the live one."""
     entries = aborted_history("t", 10)
     store_log(warehouse, entries)
     errors = []
@@ -264,10 +268,59 @@ def test_racing_writers_on_one_topic(warehouse):
     for t in threads:
         t.join()
     assert not errors
-    seqs = [r.write_seq for r in read_segments(warehouse).collect()]
+    rows = read_segments(warehouse).orderBy("write_seq").collect()
+    seqs = [r.write_seq for r in rows]
     assert len(seqs) == len(set(seqs))  # write_seq is unique across the writers
+    by_writer = [r.snapshot_id for r in rows]
+    assert sum(1 for a, b in zip(by_writer, by_writer[1:]) if a != b) == 1, by_writer  # one after the other
     assert_reference_recovers(warehouse, entries, "t")
     compact_segments(warehouse, vacuum_retention_hours=None, optimize=False)  # the rule; maintenance is tested above
+    assert_all_recover(warehouse, entries, expect_source={"t": "SNAPSHOT"})
+
+
+def test_a_compaction_waits_for_an_unfinished_snapshot_of_another_writer(warehouse):
+    """API callers of write_snapshots and compact_segments take the snapshot lock, as a snapshot
+    run does: a second writer's snapshot and compaction, started while another writer stopped
+    between its first part and its end, would drop that part (its end, written last, then names a
+    snapshot without it, and the topic falls back to a full replay)."""
+    entries = aborted_history("t", 8)  # 8 aborts: parts 1..3 and the end
+    store_log(warehouse, entries)
+    paused, resume = threading.Event(), threading.Event()
+    done: dict[str, object] = {}
+
+    def pause_after_first_part(step, rows):
+        if step == PARTS and not paused.is_set():
+            paused.set()
+            assert resume.wait(120)
+
+    def run(name, work):
+        try:
+            done[name] = work()
+        except BaseException as error:  # noqa: BLE001 - reported by the assertions below
+            done[name] = error
+
+    first = threading.Thread(target=run, args=("first", lambda: snapshot(
+        warehouse, entries, ["t"], parts_per_commit=1, after_commit=pause_after_first_part)))
+    second = threading.Thread(target=run, args=("second", lambda: (
+        snapshot(warehouse, entries[:12], ["t"]), compact_segments(warehouse, vacuum_retention_hours=None, optimize=False))))
+    first.start()
+    try:
+        assert paused.wait(120), done
+        with pytest.raises(TableLockTimeout, match="transaction-buffer snapshots of this warehouse"):
+            with snapshot_lock(warehouse, timeout_s=0.3):
+                pass
+        second.start()
+        second.join(1.0)
+        assert second.is_alive() and "second" not in done  # waiting for the first writer's end
+    finally:
+        resume.set()
+        first.join(120)
+    second.join(120)
+    assert not any(isinstance(v, BaseException) for v in done.values()), done
+    # The second writer's snapshot, taken after the first, is live, whole, and compacted to itself.
+    live = {r.snapshot_key: r.snapshot_id for r in read_segments(warehouse).collect()}
+    assert sorted(live) == ["t-1", "t-2", "t-end"] and len(set(live.values())) == 1, live
+    assert set(live.values()) == set(done["second"][0].snapshot_ids.values())
     assert_all_recover(warehouse, entries, expect_source={"t": "SNAPSHOT"})
 
 

@@ -21,6 +21,7 @@ The same design as the reference `txn_engine.snapshots` (the oracle; docs/snapsh
 from __future__ import annotations
 
 import secrets
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -118,16 +119,32 @@ SNAPSHOT_LOCK = "txn_snapshot_writer"  # a lock file of its own beside the table
 SNAPSHOT_LOCK_TIMEOUT_S = 1800.0
 
 
+_snapshot_locks_held = threading.local()  # the lock paths this thread holds (`snapshot_lock` is reentrant)
+
+
 @contextmanager
 def snapshot_lock(wh: Warehouse, timeout_s: float = SNAPSHOT_LOCK_TIMEOUT_S) -> Iterator[None]:
-    """One snapshot run at a time per warehouse, across processes (the sensor's, the schedule's,
-    `txnlake snapshot`), as one broker owns a Pulsar topic's snapshots: the segments table's own
-    lock covers one commit, and a compaction between another writer's parts and its end drops those
-    parts (the end then names a snapshot without them). Not taken by `write_snapshots` itself."""
-    with table_lock(wh.settings.lock_path(SNAPSHOT_LOCK), timeout_s,
-                    guarded="the transaction-buffer snapshots of this warehouse (a snapshot run: `txnlake snapshot`, "
-                            "the take_snapshots job)"):
+    """One snapshot writer at a time per warehouse, across processes and threads (the sensor's and
+    the schedule's runs, `txnlake snapshot`, API callers), as one broker owns a Pulsar topic's
+    snapshots: the segments table's own lock covers one commit, and a compaction between another
+    writer's parts and its end drops those parts (the end then names a snapshot without them).
+
+    `write_snapshots` and `compact_segments` take it; a snapshot run holds it from choosing what is
+    due to the state written, across both. Reentrant in the thread that holds it (a flock is not:
+    it would wait for itself); another thread of the process waits like another process."""
+    path = wh.settings.lock_path(SNAPSHOT_LOCK)
+    held: set = _snapshot_locks_held.__dict__.setdefault("paths", set())
+    if path in held:
         yield
+        return
+    with table_lock(path, timeout_s,
+                    guarded="the transaction-buffer snapshots of this warehouse (a snapshot run: `txnlake snapshot`, "
+                            "the take_snapshots job, or a caller of write_snapshots / compact_segments)"):
+        held.add(path)
+        try:
+            yield
+        finally:
+            held.discard(path)
 
 
 def snapshot_segments(aborted: DataFrame, stable: DataFrame, snapshot_ids: DataFrame, config: SnapshotConfig) -> DataFrame:
@@ -210,14 +227,24 @@ def write_snapshots(
     Write order: the parts (in commits of `parts_per_commit` part numbers, all in one by default),
     then every `topic-end` in one commit, then the tombstones. `after_commit(step, rows)` runs after
     each commit. A crash anywhere leaves the previous snapshot recoverable (docs/snapshots.md).
+    Holds the warehouse's `snapshot_lock` throughout, so no compaction runs between its parts and
+    its end, and another writer of this warehouse's snapshots waits for it.
     """
     config = config or SnapshotConfig()
-    spark = warehouse.spark
     topics = sorted(set(topics))
     if parts_per_commit is not None and parts_per_commit < 1:
         raise ValueError(f"parts_per_commit must be at least 1, got {parts_per_commit}")
     if not topics:
         return SnapshotWriteSummary([], {}, 0, 0, 0)
+    with snapshot_lock(warehouse):  # no compaction between this snapshot's parts and its end
+        return _write_snapshots(warehouse, topics, config, aborted, stable, parts_per_commit, after_commit, snapshot_ids)
+
+
+def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotConfig, aborted: DataFrame | None,
+                     stable: DataFrame | None, parts_per_commit: int | None,
+                     after_commit: Callable[[str, int], None] | None,
+                     snapshot_ids: dict[str, int] | None) -> SnapshotWriteSummary:
+    spark = warehouse.spark
     aborted = aborted if aborted is not None else warehouse.read(ABORTED_TXNS)
     stable = stable if stable is not None else warehouse.read(STABLE_POSITIONS)
     known = {r.topic for r in stable.select("topic").where(F.col("topic").isin(topics)).collect()}
@@ -356,7 +383,7 @@ def compact_segments(
     few rows (a listing job, then a job per step) and printed its own line to the console."""
     table = TXN_SNAPSHOT_SEGMENTS
     path = warehouse.path(table)
-    with warehouse.writer(table):
+    with snapshot_lock(warehouse), warehouse.writer(table):  # never between a writer's parts and its end
         current = warehouse.read(table).localCheckpoint()
         before = current.count()
         kept = compacted_segments(current).localCheckpoint()
