@@ -22,6 +22,19 @@ BENCHMARKS = {
 }
 
 
+def work_parent(folder: str | None) -> str | None:
+    """The folder the benchmarks' work folders go in (`TXNLAKE_BENCH_DIR`), created if missing;
+    None for the system's temp folder."""
+    if not folder:
+        return None
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"TXNLAKE_BENCH_DIR={folder!r} cannot be created ({exc.strerror}); point it at a "
+                         "writable folder, or unset it to use the temp folder") from None
+    return folder
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     wanted = args or os.environ.get("BENCH", "").split() or list(BENCHMARKS)
@@ -29,8 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: unknown benchmark(s) {unknown}; choose from {', '.join(BENCHMARKS)}", file=sys.stderr)
         return 2
+    try:
+        parent = work_parent(os.environ.get("TXNLAKE_BENCH_DIR"))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     for name in wanted:
-        workdir = Path(tempfile.mkdtemp(prefix=f"txnlake-bench-{name}-", dir=os.environ.get("TXNLAKE_BENCH_DIR")))
+        workdir = Path(tempfile.mkdtemp(prefix=f"txnlake-bench-{name}-", dir=parent))
         try:
             importlib.import_module(BENCHMARKS[name]).run_benchmark(workdir)
         finally:

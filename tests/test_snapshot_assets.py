@@ -116,7 +116,8 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
 
     def busy(triggers, now):
         return snapshot_states(warehouse.read(LEDGER_ENTRIES), segments, triggers, now).where("topic = 'busy'").first()
-    assert (busy(TriggerConfig(max_changes=3), taken).changes_since_snapshot, busy(TriggerConfig(3), taken).due) == (2, False)
+    below = busy(TriggerConfig(max_changes=3), taken)
+    assert (below.changes_since_snapshot, below.due) == (2, False)
     assert busy(TriggerConfig(max_changes=2), taken).due
     assert busy(TriggerConfig(max_changes=3, interval_seconds=60), taken + timedelta(seconds=61)).due
     result = buffer_and_snapshots(dagster_resources, instance, max_changes=2, compact=True)
