@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from assets.offload import tier_holds_only_committed_data
@@ -103,6 +108,13 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     assert main(["read", "t", "--from", "1:2", "--max", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("2:0\thot\ttxn=1:3") and out[1].startswith("2:1\thot") and "continue with --from 2:2" in out[2]
+    # The same read as a user runs it: a fresh process, where no Spark session runs until the read
+    # starts one (its warehouse starts Spark on first use; before the fix, building the read's
+    # column expressions failed there with a bare AssertionError).
+    fresh = subprocess.run([str(Path(sys.executable).with_name("txnlake")), "read", "t", "--from", "1:2", "--max", "2"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "TXNLAKE_WAREHOUSE": str(warehouse_root)})
+    assert fresh.returncode == 0, fresh.stderr[-3000:]
+    assert fresh.stdout.splitlines() == out
     assert main(["read", "t", "--from", "one"]) == 2
     assert "write it as LEDGER_ID:ENTRY_ID" in capsys.readouterr().err
     # Positions as the help writes them: -1:-1 (the beginning) and L:-1 (before ledger L's first entry).

@@ -109,6 +109,8 @@ class TopicReader:
         """The topic's readable entries at or after `from_position`, with a `tier` column (unordered)."""
         wh = self.warehouse
         view = self.published(topic)  # before the entries: see the module doc
+        # Column expressions need a running session; a CLI's warehouse starts it on first use.
+        wh.spark  # noqa: B018
         cold_ids = sorted(ledger for _, ledger in offloaded_ledgers(wh, topic))
         at_or_after = ~position_lt(F.col("ledger_id"), F.col("entry_id"), F.lit(from_position.ledger_id), F.lit(from_position.entry_id))
         stable = F.lit(False) if view is None else position_le(
