@@ -14,10 +14,22 @@ from pipelines.cli import main
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables, oracle_read
 from tests.rows import write_jsonl
 from txn_engine.errors import TableMissingError, TxnlakeError
+from txn_engine.delta_io import overwrite_small
 from txn_engine.ingest import ingest_files
+from txn_engine.ledgers import current_ledger_catalog
 from txn_engine.offload import offload_ledgers
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.reader import TopicReader, views_behind_log
+from txn_engine.schema import LEDGERS
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(params=["driver", "spark"])
+def read_budget(request) -> dict:
+    """TopicReader's keyword for each read path: in the process (delta-rs, Arrow), or on Spark."""
+    return {} if request.param == "driver" else {"driver_max_bytes": 0}
 
 
 def positions(batch):
@@ -26,6 +38,7 @@ def positions(batch):
 
 def offload_history(warehouse, tmp_path):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
+    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))  # the catalog, then the buffer, as `txnlake run`
     derive_buffer_tables(warehouse)
     offload_ledgers(warehouse)  # ledgers t/1 and u/5 go cold
     return warehouse
@@ -36,8 +49,9 @@ def offloaded(prepared):
     return prepared("reader-offloaded", offload_history)
 
 
-def test_read_across_the_hot_cold_boundary_equals_the_reference(offloaded):
-    reader = TopicReader(offloaded)
+def test_read_across_the_hot_cold_boundary_equals_the_reference(offloaded, read_budget):
+    reader = TopicReader(offloaded, **read_budget)
+    assert reader.fits_driver("t", EARLIEST, reader.published("t")) == (not read_budget)  # the path asked for
     got = positions(reader.read("t"))
     assert got == [(1, 0, "cold"), (1, 1, "cold"), (2, 0, "hot"), (2, 1, "hot")]
     assert [(l, e) for l, e, _ in got] == oracle_read(HISTORY, "t")
@@ -46,15 +60,15 @@ def test_read_across_the_hot_cold_boundary_equals_the_reference(offloaded):
 
 
 @pytest.mark.parametrize("start", [Position(1, 2), Position(1, 3), Position(1, 4), Position(1, 99)])
-def test_a_filtered_start_position_skips_to_the_next_kept_entry(offloaded, start):
+def test_a_filtered_start_position_skips_to_the_next_kept_entry(offloaded, start, read_budget):
     # 1:2 is aborted data, 1:3 and 1:4 markers, 1:99 past the ledger's end: all start at 2:0.
-    batch = TopicReader(offloaded).read("t", start, 1)
+    batch = TopicReader(offloaded, **read_budget).read("t", start, 1)
     assert positions(batch) == [(2, 0, "hot")]
     assert batch.next_position == Position(2, 1)
 
 
-def test_reading_batch_by_batch_never_loops(offloaded):
-    reader, seen, at = TopicReader(offloaded), [], EARLIEST
+def test_reading_batch_by_batch_never_loops(offloaded, read_budget):
+    reader, seen, at = TopicReader(offloaded, **read_budget), [], EARLIEST
     for _ in range(10):
         batch = reader.read("t", at, 1)
         if not batch.entries:
@@ -66,7 +80,8 @@ def test_reading_batch_by_batch_never_loops(offloaded):
     assert seen == positions(reader.read("t"))
 
 
-def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tmp_path, dagster_resources, capsys):
+def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tmp_path, dagster_resources, capsys,
+                                                                   read_budget):
     # D commits in ledger 4 and ledger 3 (D's second entry, then plain) is offloaded, decided from
     # ledger_entries, before the buffer's tables catch up (published stable 2:3, D ongoing from 2:4).
     ingest_files(offloaded, [str(write_jsonl(tmp_path / "d.jsonl", COMMIT_D))])
@@ -78,7 +93,8 @@ def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tm
     assert [line.split("\t")[:2] for line in out.splitlines()] == [
         ["1:0", "cold"], ["1:1", "cold"], ["2:0", "hot"], ["2:1", "hot"], ["-- 4 entries; continue with --from 2:2"]]
     assert "behind the log (ledger_entries reaches 4:1)" in err and "run `txnlake run`" in err
-    reader = TopicReader(offloaded)
+    reader = TopicReader(offloaded, **read_budget)
+    assert positions(reader.read("t")) == [(1, 0, "cold"), (1, 1, "cold"), (2, 0, "hot"), (2, 1, "hot")]
     assert reader.behind_log("u") is None
     # The tier is right, and its check says so although txn_markers does not know D's COMMIT yet.
     check = tier_holds_only_committed_data(**{k: dagster_resources[k] for k in ("spark", "warehouse")})
@@ -108,13 +124,25 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     assert main(["read", "t", "--from", "1:2", "--max", "2"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("2:0\thot\ttxn=1:3") and out[1].startswith("2:1\thot") and "continue with --from 2:2" in out[2]
-    # The same read as a user runs it: a fresh process, where no Spark session runs until the read
-    # starts one (its warehouse starts Spark on first use; before the fix, building the read's
-    # column expressions failed there with a bare AssertionError).
-    fresh = subprocess.run([str(Path(sys.executable).with_name("txnlake")), "read", "t", "--from", "1:2", "--max", "2"],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "TXNLAKE_WAREHOUSE": str(warehouse_root)})
+    # The same read as a user runs it, in a fresh process (no Spark session until something starts
+    # one): `txnlake read` reads in the process without starting a JVM; the same read on Spark
+    # starts the session itself (it once failed there, building its columns before any session).
+    script = "\n".join([
+        "import sys",
+        "from pyspark import SparkContext",
+        "from pipelines.cli import _open_warehouse, entry_line, main",
+        "from txn_engine.positions import Position",
+        "from txn_engine.reader import TopicReader",
+        "assert main(['read', 't', '--from', '1:2', '--max', '2']) == 0",
+        "assert SparkContext._active_spark_context is None, 'the read started a JVM'",
+        "batch = TopicReader(_open_warehouse(), driver_max_bytes=0).read('t', Position(1, 2), 2)",
+        "print('spark:', *[entry_line(e) for e in batch.entries], sep='\\n')",
+    ])
+    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO,
+                           env={**os.environ, "TXNLAKE_WAREHOUSE": str(warehouse_root)})
     assert fresh.returncode == 0, fresh.stderr[-3000:]
-    assert fresh.stdout.splitlines() == out
+    in_driver, on_spark = fresh.stdout.split("spark:\n")
+    assert in_driver.splitlines() == out and on_spark.splitlines() == out[:2]
     assert main(["read", "t", "--from", "one"]) == 2
     assert "write it as LEDGER_ID:ENTRY_ID" in capsys.readouterr().err
     # Positions as the help writes them: -1:-1 (the beginning) and L:-1 (before ledger L's first entry).

@@ -20,18 +20,29 @@ where filtering removed markers, aborted data and duplicates.
   `position <= stable` is `in_stable_prefix` of those rows.
 - Hot rows of an offloaded ledger (before retention deletes them) are never read twice: the
   manifest decides which tier a ledger is read from.
+
+Who reads: when the ledgers a read can reach (the topic's, from the start position's ledger up to
+the stable position) hold at most `driver_max_bytes` of entries by the `ledgers` catalog's
+`size_bytes` (`DRIVER_WRITE_MAX_BYTES`, the one budget of every driver path), delta-rs reads them
+and Arrow filters them in this process (`TopicReader.read_in_driver`), as Kafka's console
+consumer answers in a second: `txnlake read` then starts no JVM. Bigger reads, or a warehouse
+without a catalog, run on Spark (`TopicReader.frame`). Both apply the same rules, tested equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
+from pyspark.sql.types import BinaryType, TimestampType
 
 from txn_engine.buffer_jobs import has_sequence, position_le, position_lt
-from txn_engine.delta_io import DeltaTables
+from txn_engine.buffer_arrow import ledger_filter
+from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, scan
 from txn_engine.errors import TableMissingError, TxnlakeError
 from txn_engine.ledgers import ledger_ranges
 from txn_engine.offload import offloaded_ledgers
@@ -39,7 +50,10 @@ from txn_engine.positions import EARLIEST, Position
 from txn_engine.schema import (
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
+    LEDGERS,
+    LEDGERS_SCHEMA,
     OFFLOADED_ENTRIES,
     OFFLOADED_ENTRIES_SCHEMA,
     STABLE_POSITIONS,
@@ -81,10 +95,14 @@ class ReadBatch:
 
 
 class TopicReader:
-    """A read-committed, ledger-order reader of one warehouse, hot and cold tiers together."""
+    """A read-committed, ledger-order reader of one warehouse, hot and cold tiers together.
 
-    def __init__(self, warehouse: Warehouse):
+    `driver_max_bytes`: the most entry bytes a read takes in this process, without Spark (module
+    doc); 0 reads on Spark always."""
+
+    def __init__(self, warehouse: Warehouse, driver_max_bytes: int = DRIVER_WRITE_MAX_BYTES):
         self.warehouse = warehouse
+        self.driver_max_bytes = driver_max_bytes
 
     def published(self, topic: str) -> dict | None:
         """The topic's `stable_positions` row (max read and last position of the buffer's view), or
@@ -141,7 +159,91 @@ class TopicReader:
         """Up to `max_entries` entries of `topic` from `from_position` (inclusive), in ledger order."""
         if max_entries is not None and max_entries < 0:
             raise TxnlakeError(f"max_entries must not be negative, got {max_entries}; pass a count, or none for all")
+        view = self.published(topic)
+        if self.fits_driver(topic, from_position, view):
+            return ReadBatch(self.read_in_driver(topic, from_position, max_entries, view))
         ordered = self.frame(topic, from_position).orderBy("ledger_id", "entry_id")
         if max_entries is not None:
             ordered = ordered.limit(max_entries)
         return ReadBatch(ordered.collect())
+
+    def fits_driver(self, topic: str, from_position: Position, view: dict | None) -> bool:
+        """Whether the ledgers the read can reach hold at most `driver_max_bytes` of entries, by the
+        `ledgers` catalog (False without one: the size is then unknown)."""
+        if view is None:
+            return True  # nothing is readable: no rows to read
+        if self.driver_max_bytes <= 0 or not self.warehouse.exists(LEDGERS):
+            return False
+        catalog = DeltaTables(self.warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "size_bytes"])
+        reached = pc.and_(pc.equal(catalog["topic"], topic),
+                          pc.and_(pc.greater_equal(catalog["ledger_id"], from_position.ledger_id),
+                                  pc.less_equal(catalog["ledger_id"], view["max_read_ledger_id"])))
+        return (pc.sum(catalog.filter(reached)["size_bytes"]).as_py() or 0) <= self.driver_max_bytes
+
+    def read_in_driver(self, topic: str, from_position: Position, max_entries: int | None,
+                       view: dict | None) -> list[Row]:
+        """`read`'s entries by delta-rs and Arrow, the rules of `frame` (module doc), as Rows like
+        Spark's (a timestamp in this process's local time, without zone; a payload as bytearray)."""
+        if view is None:
+            return []
+        wh, tables = self.warehouse, DeltaTables(self.warehouse)
+        stable = Position(view["max_read_ledger_id"], view["max_read_entry_id"])
+        cold_ids = pa.array(sorted(ledger for _, ledger in offloaded_ledgers(wh, topic)), pa.int64())
+        # Files are skipped by their ledger statistics; the topic is matched on the rows read (`scan`).
+        reached = (pc.field("ledger_id") >= from_position.ledger_id) & (pc.field("ledger_id") <= stable.ledger_id)
+        mine = pc.field("topic") == topic
+
+        def readable(rows: pa.Table) -> pa.Table:
+            ledger, entry = rows["ledger_id"], rows["entry_id"]
+            at_or_after = pc.or_(pc.greater(ledger, from_position.ledger_id),
+                                 pc.and_(pc.equal(ledger, from_position.ledger_id), pc.greater_equal(entry, from_position.entry_id)))
+            within = pc.or_(pc.less(ledger, stable.ledger_id),
+                            pc.and_(pc.equal(ledger, stable.ledger_id), pc.less_equal(entry, stable.entry_id)))
+            return rows.filter(pc.and_(at_or_after, within))
+
+        cold = pa.table({})
+        sent_cold: set[tuple[int, int]] = set()
+        if len(cold_ids) and wh.exists(OFFLOADED_ENTRIES):
+            tier = tables.dataset(OFFLOADED_ENTRIES)
+            cold = readable(scan(tier, reached & ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
+            cold = cold.append_column("tier", pa.array([COLD] * cold.num_rows, pa.string()))
+            # Once retention deleted a ledger, the hot view no longer knows that a retried send
+            # repeats an entry now only in the tier; the tier's copy is the first, keep it (as `frame`).
+            sent = scan(tier, ledger_filter(cold_ids), ["producer_id", "sequence_id"], mine, ["topic"])
+            sent_cold = {(p, q) for p, q in zip(sent["producer_id"].to_pylist(), sent["sequence_id"].to_pylist())
+                         if p is not None and q is not None}
+        hot = readable(scan(tables.dataset(COMMITTED_ENTRIES), reached, LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
+        if len(cold_ids):
+            hot = hot.filter(pc.invert(pc.is_in(hot["ledger_id"], cold_ids)))
+        if sent_cold:
+            hot = hot.filter(pa.array([p is None or q is None or (p, q) not in sent_cold
+                                       for p, q in zip(hot["producer_id"].to_pylist(), hot["sequence_id"].to_pylist())],
+                                      pa.bool_()))
+        hot = hot.append_column("tier", pa.array([HOT] * hot.num_rows, pa.string()))
+
+        def first(rows: pa.Table) -> list[dict]:  # each tier's first max_entries, ordered in Arrow
+            if not rows.num_rows:
+                return []
+            ordered = rows.sort_by([("ledger_id", "ascending"), ("entry_id", "ascending")])
+            return (ordered if max_entries is None else ordered.slice(0, max_entries)).to_pylist()
+        rows = sorted(first(cold) + first(hot), key=lambda r: (r["ledger_id"], r["entry_id"]))
+        return [_spark_like_row(r) for r in rows[:max_entries]]
+
+
+_BINARY = {f.name for f in LEDGER_ENTRIES_SCHEMA.fields if isinstance(f.dataType, BinaryType)}
+_TIMESTAMPS = {f.name for f in LEDGER_ENTRIES_SCHEMA.fields if isinstance(f.dataType, TimestampType)}
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _spark_like_row(values: dict) -> Row:
+    """A row read by Arrow as Spark's `collect` returns it: the ledger_entries columns and the
+    tier; binary as bytearray, a timestamp in this process's local time without zone."""
+    out = {}
+    for c in (*LEDGER_ENTRY_COLUMNS, "tier"):
+        v = values[c]
+        if v is not None and c in _BINARY:
+            v = bytearray(v)
+        elif v is not None and c in _TIMESTAMPS:
+            v = TimestampType().fromInternal((v - _EPOCH) // timedelta(microseconds=1))
+        out[c] = v
+    return Row(**out)
