@@ -235,11 +235,15 @@ class DeltaTables:
         `rows_changed_after` can tell later whether they moved on."""
         return {version_key(t): str(-1 if (v := self.version(t)) is None else v) for t in tables}
 
+    def last_change(self, table: str) -> dict[str, Any] | None:
+        """`last_rows_commit`, or the very last commit when only maintenance commits are among the
+        latest (the last that changed rows is then unknown); None when the table does not exist."""
+        return self.last_rows_commit(table) or self.last_commit(table)
+
     def rows_changed_after(self, table: str, version: int) -> dict[str, Any] | None:
-        """The table's last commit that changed rows, when it is after `version`; else None. When
-        only maintenance commits are among its latest (that one unknown), its very last commit.
-        Maintenance (VACUUM, OPTIMIZE) changes no rows and moves nothing on."""
-        changed = self.last_rows_commit(table) or self.last_commit(table)
+        """The table's `last_change` when it is after `version`; else None. Maintenance (VACUUM,
+        OPTIMIZE) changes no rows and moves nothing on."""
+        changed = self.last_change(table)
         return changed if changed is not None and changed["version"] > version else None
 
     def schema(self, table: str) -> T.StructType | None:

@@ -208,7 +208,7 @@ def stale_catalog(warehouse: Warehouse) -> str | None:
         if derived_from is not None:
             changed = tables.rows_changed_after(source, int(derived_from))
         else:
-            changed = tables.last_rows_commit(source) or tables.last_commit(source)
+            changed = tables.last_change(source)
             changed = changed if changed is not None and changed["timestamp"] > catalog["timestamp"] else None
         if changed is not None:
             seen = "" if derived_from is None else f", derived from its version {derived_from}"

@@ -41,7 +41,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, TimestampType
 
 from txn_engine.buffer_jobs import has_sequence, position_le, position_lt
-from txn_engine.buffer_arrow import ledger_filter
+from txn_engine import buffer_arrow
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, scan
 from txn_engine.errors import TableMissingError, TxnlakeError
 from txn_engine.ledgers import ledger_ranges
@@ -125,8 +125,10 @@ class TopicReader:
 
     def frame(self, topic: str, from_position: Position = EARLIEST) -> DataFrame:
         """The topic's readable entries at or after `from_position`, with a `tier` column (unordered)."""
+        return self._frame(topic, from_position, self.published(topic))  # the view before the entries: module doc
+
+    def _frame(self, topic: str, from_position: Position, view: dict | None) -> DataFrame:
         wh = self.warehouse
-        view = self.published(topic)  # before the entries: see the module doc
         # Column expressions need a running session; a CLI's warehouse starts it on first use.
         wh.spark  # noqa: B018
         cold_ids = sorted(ledger for _, ledger in offloaded_ledgers(wh, topic))
@@ -162,7 +164,7 @@ class TopicReader:
         view = self.published(topic)
         if self.fits_driver(topic, from_position, view):
             return ReadBatch(self.read_in_driver(topic, from_position, max_entries, view))
-        ordered = self.frame(topic, from_position).orderBy("ledger_id", "entry_id")
+        ordered = self._frame(topic, from_position, view).orderBy("ledger_id", "entry_id")
         if max_entries is not None:
             ordered = ordered.limit(max_entries)
         return ReadBatch(ordered.collect())
@@ -193,31 +195,28 @@ class TopicReader:
         reached = (pc.field("ledger_id") >= from_position.ledger_id) & (pc.field("ledger_id") <= stable.ledger_id)
         mine = pc.field("topic") == topic
 
-        def readable(rows: pa.Table) -> pa.Table:
+        def readable(rows: pa.Table) -> pa.Table:  # at or after the start, within the stable position
             ledger, entry = rows["ledger_id"], rows["entry_id"]
-            at_or_after = pc.or_(pc.greater(ledger, from_position.ledger_id),
-                                 pc.and_(pc.equal(ledger, from_position.ledger_id), pc.greater_equal(entry, from_position.entry_id)))
-            within = pc.or_(pc.less(ledger, stable.ledger_id),
-                            pc.and_(pc.equal(ledger, stable.ledger_id), pc.less_equal(entry, stable.entry_id)))
-            return rows.filter(pc.and_(at_or_after, within))
+            at_or_after = pc.invert(buffer_arrow.position_lt(ledger, entry, from_position.ledger_id, from_position.entry_id))
+            return rows.filter(pc.and_(at_or_after, buffer_arrow.position_le(ledger, entry, stable.ledger_id, stable.entry_id)))
 
         cold = pa.table({})
         sent_cold: set[tuple[int, int]] = set()
         if len(cold_ids) and wh.exists(OFFLOADED_ENTRIES):
             tier = tables.dataset(OFFLOADED_ENTRIES)
-            cold = readable(scan(tier, reached & ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
+            cold = readable(scan(tier, reached & buffer_arrow.ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
             cold = cold.append_column("tier", pa.array([COLD] * cold.num_rows, pa.string()))
             # Once retention deleted a ledger, the hot view no longer knows that a retried send
             # repeats an entry now only in the tier; the tier's copy is the first, keep it (as `frame`).
-            sent = scan(tier, ledger_filter(cold_ids), ["producer_id", "sequence_id"], mine, ["topic"])
-            sent_cold = {(p, q) for p, q in zip(sent["producer_id"].to_pylist(), sent["sequence_id"].to_pylist())
-                         if p is not None and q is not None}
+            sent = scan(tier, buffer_arrow.ledger_filter(cold_ids), ["producer_id", "sequence_id"], mine, ["topic"])
+            sent = sent.filter(buffer_arrow.has_sequence(sent))
+            sent_cold = set(zip(sent["producer_id"].to_pylist(), sent["sequence_id"].to_pylist()))
         hot = readable(scan(tables.dataset(COMMITTED_ENTRIES), reached, LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
         if len(cold_ids):
             hot = hot.filter(pc.invert(pc.is_in(hot["ledger_id"], cold_ids)))
         if sent_cold:
-            hot = hot.filter(pa.array([p is None or q is None or (p, q) not in sent_cold
-                                       for p, q in zip(hot["producer_id"].to_pylist(), hot["sequence_id"].to_pylist())],
+            hot = hot.filter(pa.array([key not in sent_cold  # a key with a null is never in it
+                                       for key in zip(hot["producer_id"].to_pylist(), hot["sequence_id"].to_pylist())],
                                       pa.bool_()))
         hot = hot.append_column("tier", pa.array([HOT] * hot.num_rows, pa.string()))
 
