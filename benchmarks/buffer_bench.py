@@ -4,7 +4,9 @@ Measured side by side in one run, on the same `ledger_entries` Delta table:
 - plain copy: Spark reads ledger_entries and rewrites it once (the floor), before and after the
   full run; the ratios are taken against the faster of the two;
 - full: compute and write txn_markers, stable_positions, aborted_txns, committed_entries and the
-  incremental state, reported as a whole and split (the four tables, the state, the rest);
+  incremental state, reported as a whole and split (the four tables, the state, the rest), as
+  `refresh_buffer` runs it (a log that fits `DRIVER_FULL_RUN_MAX_BYTES`: Arrow in the driver, a
+  topic per core); then the same full run on Spark (as a bigger log runs), side by side;
 - DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files;
 - incremental: one new ledger of 50,000 entries (BENCH_NEW_LEDGER_ENTRIES) appended on top,
   then the incremental refresh (`refresh_buffer` for that ledger: Arrow in the driver), against
@@ -78,9 +80,19 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
 
     with timed("ledgers catalog (the `ledgers` asset, not timed below)"):
         wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
-    with timed("full: four buffer tables + state (Spark)") as t_full:
+    with timed("full: four buffer tables + state (as the product runs it: Arrow in the driver when the log fits)") as t_full:
         full_steps = WriteClock()
-        refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_steps)
+        full = refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_steps)
+    print(f"  full run: computed by {full.computed_by}, written by {full.written_by}")
+    python_peak_full = python_peak_rss_mib()
+    counted = lambda: {t: wh.read(t).count() for t in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)}  # noqa: E731
+    counts_first = counted()
+    # Side by side: the same full run on Spark, as a log too big for the driver runs.
+    with timed("full again, on Spark (computed and written by Spark)") as t_full_spark:
+        full_spark_steps = WriteClock()
+        full_spark = refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_spark_steps,
+                                    driver_full_run_max_bytes=0)
+    print(f"  full run again: computed by {full_spark.computed_by}, written by {full_spark.written_by}")
     jvm_peak = jvm_peak_rss_mib(spark)
     # The copy again, after the full run: the faster of the two is the floor the ratio is taken against.
     with timed("plain copy again (after the full run)") as t_copy_again:
@@ -88,9 +100,13 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     copy_s = min(t_copy.seconds, t_copy_again.seconds)
     # Where the full run's time goes: the four tables of the brief (their writes, and the facts the
     # first one computes), the incremental state, and the rest (the violation counts).
-    four = sum(full_steps.seconds.get(t, 0.0) for t in (TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS))
+    contract = (TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS)
+    four = sum(full_steps.seconds.get(t, 0.0) for t in contract)
     state = sum(full_steps.seconds.get(t, 0.0) for t in STATE_TABLES)
-    counts = {t: wh.read(t).count() for t in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)}
+    four_spark = sum(full_spark_steps.seconds.get(t, 0.0) for t in contract)
+    counts = counted()
+    if counts != counts_first:
+        print(f"  !! the full run on Spark wrote other row counts than the first: {counts} vs {counts_first}")
 
     duck = None
     try:
@@ -142,10 +158,15 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "full_s": t_full.seconds,
         "full_rows_per_s": rows / t_full.seconds,
         "full_vs_copy": t_full.seconds / copy_s,
+        "full_computed_by": full.computed_by,
         "four_tables_s": four,
         "four_tables_vs_copy": four / copy_s,
         "state_s": state,
         "rest_s": t_full.seconds - four - state,
+        "full_on_spark_s": t_full_spark.seconds,
+        "full_on_spark_vs_copy": t_full_spark.seconds / copy_s,
+        "four_tables_on_spark_vs_copy": four_spark / copy_s,
+        "full_vs_full_on_spark": t_full.seconds / t_full_spark.seconds,
         "duckdb_s": duck,
         "full_vs_duckdb": (t_full.seconds / duck) if duck else None,
         "incremental_entries": new_entries,
@@ -156,9 +177,11 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "incremental_arrow_vs_spark": t_inc.seconds / t_inc_spark.seconds,
         "incremental_ledgers": len(step.ledgers),
         "full_steps_s": {k: round(v, 2) for k, v in full_steps.seconds.items()},
+        "full_on_spark_steps_s": {k: round(v, 2) for k, v in full_spark_steps.seconds.items()},
         "incremental_steps_s": {k: round(v, 2) for k, v in inc_steps.seconds.items()},
         "incremental_on_spark_steps_s": {k: round(v, 2) for k, v in inc_spark_steps.seconds.items()},
         "jvm_peak_rss_mib": jvm_peak,
+        "python_peak_rss_mib_after_full": python_peak_full,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
     }

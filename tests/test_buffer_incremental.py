@@ -63,7 +63,8 @@ def inventory(wh):
 
 
 def refresh(wh, **kwargs):
-    return refresh_buffer(wh, inventory(wh), **kwargs)
+    """`refresh_buffer` on the catalog as it is now; a bound given as None is the default."""
+    return refresh_buffer(wh, inventory(wh), **{k: v for k, v in kwargs.items() if v is not None})
 
 
 def snapshot(wh) -> dict[str, list[tuple]]:
@@ -115,7 +116,8 @@ def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen
         append(warehouse, spark, chunk)
         # The second run also asks for a ledger that did not change (a backfill of it).
         asked = data.draw(st.lists(st.sampled_from(sorted({x.ledger_id for x in chunks[0]})), max_size=2)) if n else []
-        result = refresh(warehouse, ledgers=asked)
+        # The first (full) run on Spark, as a log too big for the driver runs; the full run in Arrow below.
+        result = refresh(warehouse, ledgers=asked, driver_full_run_max_bytes=0 if n == 0 else None)
         assert (result.full, result.computed_by) == ((True, "spark") if n == 0 else (False, "arrow"))
         assert actual_rows(warehouse) == reference_rows(entries[:cut] if n == 0 else entries), \
             f"after chunk {n}: {[brief(h) for h in histories]}"
@@ -126,11 +128,14 @@ def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen
     assert actual_rows(warehouse) == reference_rows(entries), f"on Spark: {[brief(h) for h in histories]}"
     incremental = stored_rows(warehouse)
     assert incremental == in_arrow  # the state too: the next run reads it
-    # A full recompute gives identical tables (and state), and its violations are the reference's totals.
-    result = refresh(warehouse, full=True)
-    assert stored_rows(warehouse) == incremental
+    # A full recompute gives identical tables (and state), and its violations are the reference's
+    # totals: in Arrow, a topic per thread (a log this small), and on Spark.
     expected = expected_tables(entries)["violations"]
-    assert result.violations == {v: sum(c[i] for c in expected.values()) for i, v in enumerate(VIOLATIONS)}
+    for bound, computed_by in ((None, "arrow"), (0, "spark")):
+        result = refresh(warehouse, full=True, driver_full_run_max_bytes=bound)
+        assert (result.full, result.computed_by) == (True, computed_by)
+        assert stored_rows(warehouse) == incremental, f"full, computed by {computed_by}: {[brief(h) for h in histories]}"
+        assert result.violations == {v: sum(c[i] for c in expected.values()) for i, v in enumerate(VIOLATIONS)}
 
     # Retention deletes the first ledger of some topics: nothing else changes, as in the reference
     # fed the whole log and then trimmed; a full recompute works on the facts the state kept (in
@@ -251,7 +256,8 @@ def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehou
                                                                                (0, "spark", "spark")])
 def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse, driver_write_max_bytes,
                                                                                 written_by, computed_by):
-    bounds = {"driver_write_max_bytes": driver_write_max_bytes, "broadcast_max_bytes": driver_write_max_bytes}
+    bounds = {"driver_write_max_bytes": driver_write_max_bytes, "broadcast_max_bytes": driver_write_max_bytes,
+              "driver_full_run_max_bytes": driver_write_max_bytes}
 
     # A transaction spanning ledgers 1 -> 3 (its data in 1 reaches committed_entries from the
     # pending state), a retried send in ledger 3 repeating ledger 1's sequence, a hanging
@@ -294,7 +300,7 @@ def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark,
     log_bytes = sum(r.size_bytes for r in inventory(warehouse).collect())
     # Below the log's size, above any of its narrow tables (a few rows of NARROW_ROW_BYTES).
     assert log_bytes - 1 >= len(first) * NARROW_ROW_BYTES
-    result = refresh(warehouse, full=True, driver_write_max_bytes=log_bytes - 1)
+    result = refresh(warehouse, full=True, driver_write_max_bytes=log_bytes - 1, driver_full_run_max_bytes=0)
     assert (result.full, result.written_by) == (True, "spark")
     # Spark's Delta writer names itself "Apache-Spark/...", delta-rs "delta-rs:...". No table is
     # empty here (an empty one fits the driver whatever the bound): T2's entry is pending.
@@ -341,8 +347,10 @@ def refreshed_then_later(spark):
     return build
 
 
+# Incremental runs, and full ones (in Arrow, a topic per thread: the tables of every topic written at once).
+@pytest.mark.parametrize("full", [False, True])
 @pytest.mark.parametrize("crash_after", [COMMITTED_ENTRIES, "buffer_sequence_ranges"])
-def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, crash_after):
+def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, crash_after, full):
     warehouse = prepared("buffer-refreshed-then-later", refreshed_then_later(spark))
 
     def crash(table: str) -> None:
@@ -350,7 +358,7 @@ def test_a_run_stopped_between_writes_is_completed_by_the_next(spark, prepared, 
             raise Crash(table)
 
     with pytest.raises(Crash):
-        refresh(warehouse, after_write=crash)
+        refresh(warehouse, after_write=crash, full=full)
     result = refresh(warehouse, lock_timeout_s=0.5)  # the crashed run let go of the buffer lock
     assert result.ledgers == [2]
     assert snapshot(warehouse) == {k: sorted(v) for k, v in snapshot_of_reference(FIRST + LATER).items()}

@@ -109,10 +109,31 @@ def rank_in_group(starts: np.ndarray) -> np.ndarray:
     return index - np.maximum.accumulate(np.where(starts, index, 0))
 
 
+def grouped(table: pa.Table, groups: list[str], then: list[str] = ()) -> pa.Table:
+    """`table` with the rows of each `groups` group adjacent, ascending by `then` within a group.
+
+    The groups' own order is not lexical: a string key is sorted by a dictionary code of it, which
+    halves the sort (2.6M sequenced entries of one topic: 0.8 s against 1.6 s by the string).
+    """
+    keys = table.select(list(groups) + list(then))
+    for i, name in enumerate(groups):
+        if pa.types.is_string(keys.schema.field(name).type) or pa.types.is_large_string(keys.schema.field(name).type):
+            # Encoded whole: a chunked array's chunks would each get a dictionary of their own.
+            keys = keys.set_column(i, name, pc.dictionary_encode(keys[name].combine_chunks()).indices)
+    return table.take(pc.sort_indices(keys, [(c, "ascending") for c in keys.column_names]))
+
+
 def first_per_group(table: pa.Table, keys: list[str], order: list[str]) -> pa.Table:
     """The first row of each `keys` group by `order` (ascending): min_by, exactly, on any columns."""
-    ordered = table.sort_by([(c, "ascending") for c in keys + order])
+    ordered = grouped(table, keys, order)
     return ordered.filter(pa.array(group_starts(ordered, keys)))
+
+
+def rows_mask(num_rows: int, rows: pa.ChunkedArray | pa.Array) -> pa.Array:
+    """A filter mask selecting these row numbers (`_row`) of a table of `num_rows` rows."""
+    mask = np.zeros(num_rows, dtype=bool)
+    mask[rows.to_numpy()] = True
+    return pa.array(mask)
 
 
 def with_row_index(entries: pa.Table) -> pa.Table:
@@ -128,9 +149,7 @@ def sequenced(narrow: pa.Table) -> pa.Table:
 
 def duplicate_positions(narrow: pa.Table) -> pa.Table:
     """Positions of DATA entries repeating an earlier (topic, producer_id, sequence_id) of `narrow`."""
-    ordered = sequenced(narrow).select(SEQUENCE_KEY + ["ledger_id", "entry_id"]).sort_by(
-        [(c, "ascending") for c in SEQUENCE_KEY + ["ledger_id", "entry_id"]]
-    )
+    ordered = grouped(sequenced(narrow).select(SEQUENCE_KEY + ["ledger_id", "entry_id"]), SEQUENCE_KEY, ["ledger_id", "entry_id"])
     return ordered.filter(pa.array(~group_starts(ordered, SEQUENCE_KEY))).select(POSITIONS)
 
 
@@ -300,12 +319,11 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
     """
     data = with_row_index(data)
     txn = has_txn(data)
-    plain = data.filter(pc.invert(txn)).select(POSITIONS + ["_row"])
+    plain = data.select(POSITIONS + ["_row"]).filter(pc.invert(txn))
     plain = plain.append_column("visible_ledger_id", plain["ledger_id"]).append_column(
         "visible_entry_id", plain["entry_id"]).append_column("local_seq", pa.array(np.zeros(plain.num_rows, dtype=np.int64)))
     # Numbered over all the transaction's kept data, then cut at the marker: local_seq as on Spark.
-    ordered = data.filter(txn).select(TXN_KEY + ["ledger_id", "entry_id", "_row"]).sort_by(
-        [(c, "ascending") for c in TXN_KEY + ["ledger_id", "entry_id"]])
+    ordered = grouped(data.select(TXN_KEY + ["ledger_id", "entry_id", "_row"]).filter(txn), TXN_KEY, ["ledger_id", "entry_id"])
     ordered = ordered.append_column("local_seq", pa.array(rank_in_group(group_starts(ordered, TXN_KEY)).astype(np.int64)))
     numbered = ordered.join(committed, TXN_KEY, join_type="inner")
     numbered = numbered.filter(position_lt(numbered["ledger_id"], numbered["entry_id"],
@@ -313,8 +331,11 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
     visible = pa.concat_tables([plain.select(_VISIBLE_COLUMNS), numbered.select(_VISIBLE_COLUMNS)], promote_options="default")
     stable_at = stable.select(["topic", "max_read_ledger_id", "max_read_entry_id"])
     visible = visible.join(stable_at, "topic", join_type="inner")
+    # Full rows picked by a mask, in their stored order (a row is visible at most once): a `take` of
+    # payloads is 5-8x slower than a filter.
+    visible = visible.take(pc.sort_indices(visible["_row"]))
     in_prefix = position_le(visible["ledger_id"], visible["entry_id"], visible["max_read_ledger_id"], visible["max_read_entry_id"])
-    rows = data.take(visible["_row"]).drop_columns(["_row"])
+    rows = data.filter(rows_mask(data.num_rows, visible["_row"])).drop_columns(["_row"])
     for name in ("visible_ledger_id", "visible_entry_id", "local_seq"):
         rows = rows.append_column(name, visible[name])
     return conform(rows.append_column("in_stable_prefix", in_prefix), COMMITTED_ENTRIES_SCHEMA)
@@ -353,14 +374,14 @@ def pending_entries(entries: pa.Table, narrow: pa.Table, duplicate: np.ndarray, 
                                           pc.is_valid(ledger_txns["data_entry_id"])))
     keys = ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"]
     rows = kept_txn_data(narrow, duplicate).select(keys + ["_row"]).join(unmarked.select(keys), keys, join_type="left semi")
-    return conform(entries.take(rows["_row"]), LEDGER_ENTRIES_SCHEMA)
+    return conform(entries.filter(rows_mask(entries.num_rows, rows["_row"])), LEDGER_ENTRIES_SCHEMA)
 
 
 def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
     """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids of its kept DATA."""
     group = ["topic", "producer_id", "ledger_id"]
     kept = sequenced(narrow.filter(pa.array(~duplicate[narrow["_row"].to_numpy()])))
-    ordered = kept.select(group + ["sequence_id"]).sort_by([(c, "ascending") for c in group + ["sequence_id"]])
+    ordered = grouped(kept.select(group + ["sequence_id"]), group, ["sequence_id"])
     starts = group_starts(ordered, group)
     ids = ordered["sequence_id"].to_numpy()
     starts[1:] |= ids[1:] != ids[:-1] + 1

@@ -47,11 +47,12 @@ Who computes and writes: an incremental run whose scope holds at most `DRIVER_WR
 entries (every run over a few new ledgers) reads its entries and the state rows it needs by
 delta-rs, computes in Arrow (`buffer_arrow`, the same rules as the Spark functions) and commits
 through delta-rs: no Spark job. On Spark that run was 40-odd jobs of fixed cost, 10-13 s for one
-50,000-entry ledger on a 10M-entry log; in Arrow it is under a second. A full run, or a bigger
-scope, runs on Spark; a full run of a small log still collects each table as Arrow and commits
-it through delta-rs (`delta_io.overwrite_small`: a Spark Delta write of even ten rows is 5-8
-Spark jobs); a bigger one writes its narrow tables (`NARROW_TABLES`) so too when they fit the
-driver, and only the tables of entry rows by Spark. The same predicates and write order every way.
+50,000-entry ledger on a 10M-entry log; in Arrow it is under a second. A full run of a log of
+at most `DRIVER_FULL_RUN_MAX_BYTES` is computed in Arrow too, a topic per core, and written by
+delta-rs (`_refresh_full_in_driver`): at 10M entries about 1.3-1.5x a plain Spark copy of the
+log, where the same run on Spark is about 3x (docs/benchmarks.md). A bigger scope or log runs on
+Spark, and writes its narrow tables (`NARROW_TABLES`) through the driver when they fit it, the
+tables of entry rows by Spark. The same predicates and write order every way.
 
 Write order, for crash safety: contract tables first (`stable_positions` after the
 `in_stable_prefix` update that it records), `buffer_ledger_txns` last. It is the
@@ -67,6 +68,7 @@ wrote). A crashed run's lock goes with its process (a flock).
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -110,7 +112,9 @@ from txn_engine.buffer_jobs import (
     violations_from_facts,
 )
 from txn_engine.delta_io import (
+    DRIVER_FULL_RUN_MAX_BYTES,
     DRIVER_WRITE_MAX_BYTES,
+    arrow_schema,
     DeltaTables,
     fits_driver,
     ledger_predicate,
@@ -521,6 +525,7 @@ def refresh_buffer(
     driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
     broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
     lock_timeout_s: float = BUFFER_LOCK_TIMEOUT_S,
+    driver_full_run_max_bytes: int = DRIVER_FULL_RUN_MAX_BYTES,
 ) -> BufferRefresh:
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
@@ -533,16 +538,18 @@ def refresh_buffer(
     the state to its last write. An incremental run over at most
     `driver_write_max_bytes` of entries is computed in Arrow and written through the driver
     (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`): with an Arrow inventory it starts no Spark job.
+    A full run of a log of at most `driver_full_run_max_bytes` (per the catalog's `size_bytes`;
+    a catalog without them never) is computed so too, a topic per core (`_refresh_full_in_driver`).
     Others run on Spark; there `broadcast_max_bytes` bounds the blocks broadcast to the full rows
     of `committed_entries` (`buffer_jobs.blocks_fit_broadcast`).
     """
     with buffer_lock(wh, lock_timeout_s):
         return _refresh_buffer(wh, ledger_inventory(wh) if inventory is None else inventory, ledgers, full, after_write,
-                               driver_write_max_bytes, broadcast_max_bytes)
+                               driver_write_max_bytes, broadcast_max_bytes, driver_full_run_max_bytes)
 
 
 def _refresh_buffer(wh: Warehouse, inventory: DataFrame | pa.Table, ledgers: Iterable[int], full: bool, after_write,
-                    driver_write_max_bytes: int, broadcast_max_bytes: int) -> BufferRefresh:
+                    driver_write_max_bytes: int, broadcast_max_bytes: int, driver_full_run_max_bytes: int) -> BufferRefresh:
     has_state = _has_state(wh)
     full = full or not has_state
     tables = DeltaTables(wh)
@@ -553,6 +560,8 @@ def _refresh_buffer(wh: Warehouse, inventory: DataFrame | pa.Table, ledgers: Ite
     # A full run's scope is every ledger the catalog lists, its size the whole log's.
     plan = plan._replace(ledgers={ledger for _, ledger, _ in plan.last_entries}, size_bytes=plan.log_bytes)
     if not plan.retained:
+        if 0 < plan.log_bytes <= driver_full_run_max_bytes:
+            return _refresh_full_in_driver(wh, tables, plan, after_write)
         entries_all = wh.read(LEDGER_ENTRIES)
         require_ledger_entries(entries_all)
         return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
@@ -756,6 +765,43 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
     _write(wh, computed.tables, new_stable, old_stable, plan, after_write, lambda table, frame: True, flip_by_driver)
     return BufferRefresh(full=False, ledgers=sorted(plan.ledgers), written_by="driver", computed_by="arrow",
                          retained_ledgers=len(plan.retained), violations=computed.violations)
+
+
+def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write) -> BufferRefresh:
+    """A full run small enough for the driver: each topic read by delta-rs and computed in Arrow
+    (`buffer_arrow.scope_tables` over all its ledgers, with no state), a thread per core, then
+    every table written by delta-rs; the same rows as `_refresh_on_spark`.
+
+    Per topic because every fact of the buffer is a topic's own (its keys all start with the
+    topic: transactions, sequence ids, positions), as a broker keeps a transaction buffer per
+    topic. Arrow's kernels release the GIL, so the threads use both cores. As on Spark, the
+    entries, not the catalog, say which topics and ledgers there are (the catalog only routes
+    the run here).
+    """
+    source = tables.dataset(LEDGER_ENTRIES)
+    require_ledger_entries(source.schema.empty_table())
+    topics = pc.unique(source.to_table(columns=["topic"])["topic"]).to_pylist()
+    # Biggest first (by the catalog's ledger count), so the last topic to finish is a small one.
+    ledger_count = {topic: 0 for topic in topics}
+    for topic, _, _ in plan.last_entries:
+        ledger_count[topic] = ledger_count.get(topic, 0) + 1
+    no_state = lambda table, rows: arrow_schema(SCHEMAS[table]).empty_table()  # noqa: E731
+
+    def topic_tables(topic: str) -> buffer_arrow.ScopeTables:
+        entries = source.to_table(filter=pc.field("topic") == topic)
+        last = entries.group_by(["ledger_id"], use_threads=False).aggregate([("entry_id", "max")])
+        ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["entry_id_max"].to_pylist())]
+        return buffer_arrow.scope_tables(entries, {ledger for _, ledger, _ in ledgers}, no_state, {}, ledgers)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="buffer-topic") as pool:
+        parts = list(pool.map(topic_tables, sorted(topics, key=lambda t: (-ledger_count[t], t))))
+    if not parts:  # an empty log: the tables of no entries
+        parts = [buffer_arrow.scope_tables(arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table(), set(), no_state, {}, [])]
+    computed = {table: pa.concat_tables([part.tables[table] for part in parts]) for table in parts[0].tables}
+    violations = {v: sum(part.violations.get(v, 0) for part in parts) for v in VIOLATIONS}
+    _write(wh, computed, lambda: [], None, plan, after_write, lambda table, frame: True, True)
+    return BufferRefresh(full=True, ledgers=sorted(set(computed[BUFFER_LEDGER_TXNS]["ledger_id"].to_pylist())),
+                         written_by="driver", computed_by="arrow", violations=violations)
 
 
 def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFrame]], new_stable: Callable[[], list], old_stable, plan: ScopePlan,

@@ -83,6 +83,12 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 # never in Parquet file bytes: a 10M-entry log is 180 MB of files and ~2 GB of rows.
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
 
+# A full buffer run of a log of at most this many entry bytes (the catalog's `size_bytes`) is
+# computed in Arrow in the driver, a topic per core (`buffer_incremental`): its peak is about 4x
+# the log (10M entries, 1.86 GiB: 7.4-7.8 GiB of Python at the run's peak), which beside Spark's
+# 8 GiB heap is what 24 GiB holds. Bigger logs run on Spark.
+DRIVER_FULL_RUN_MAX_BYTES = 2 * 1024 * 1024 * 1024
+
 
 # What a row of a narrow table (ids, positions, counts, a topic name; no payload) is taken to
 # cost as Arrow in the driver, to bound such a table by DRIVER_WRITE_MAX_BYTES.
