@@ -32,10 +32,10 @@ def rows_of(wh, table: str, **equal) -> pa.Table:
 
 
 def with_values(row: pa.Table, **values) -> pa.Table:
-    """A one-row table with some columns set (each keeps its type)."""
+    """A one-row table with some columns set (each keeps its field: type and nullability)."""
     for column, value in values.items():
         index = row.schema.get_field_index(column)
-        row = row.set_column(index, column, pa.array([value], row.schema.field(index).type))
+        row = row.set_column(index, row.schema.field(index), pa.array([value], row.schema.field(index).type))
     return row
 
 
