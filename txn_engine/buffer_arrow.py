@@ -129,11 +129,11 @@ def first_per_group(table: pa.Table, keys: list[str], order: list[str]) -> pa.Ta
     return ordered.filter(pa.array(group_starts(ordered, keys)))
 
 
-def rows_mask(num_rows: int, rows: pa.ChunkedArray | pa.Array) -> pa.Array:
-    """A filter mask selecting these row numbers (`_row`) of a table of `num_rows` rows."""
+def rows_mask(num_rows: int, rows: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A mask of `num_rows` rows, True at these row numbers (`_row`)."""
     mask = np.zeros(num_rows, dtype=bool)
     mask[rows.to_numpy()] = True
-    return pa.array(mask)
+    return mask
 
 
 def with_row_index(entries: pa.Table) -> pa.Table:
@@ -206,11 +206,10 @@ def distinct_positions(*tables: pa.Table) -> pa.Table:
 
 def is_duplicate(narrow: pa.Table, duplicates: pa.Table) -> np.ndarray:
     """Per row of `narrow` (which has `_row`): whether its position is one of `duplicates`."""
-    flagged = np.zeros(narrow.num_rows, dtype=bool)
-    if duplicates.num_rows:
-        hit = narrow.select(POSITIONS + ["_row"]).join(duplicates.select(POSITIONS), POSITIONS, join_type="left semi")
-        flagged[hit["_row"].to_numpy()] = True
-    return flagged
+    if not duplicates.num_rows:
+        return np.zeros(narrow.num_rows, dtype=bool)
+    hit = narrow.select(POSITIONS + ["_row"]).join(duplicates.select(POSITIONS), POSITIONS, join_type="left semi")
+    return rows_mask(narrow.num_rows, hit["_row"])
 
 
 def by_ledger_txn(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
@@ -335,7 +334,7 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
     # payloads is 5-8x slower than a filter.
     visible = visible.take(pc.sort_indices(visible["_row"]))
     in_prefix = position_le(visible["ledger_id"], visible["entry_id"], visible["max_read_ledger_id"], visible["max_read_entry_id"])
-    rows = data.filter(rows_mask(data.num_rows, visible["_row"])).drop_columns(["_row"])
+    rows = data.filter(pa.array(rows_mask(data.num_rows, visible["_row"]))).drop_columns(["_row"])
     for name in ("visible_ledger_id", "visible_entry_id", "local_seq"):
         rows = rows.append_column(name, visible[name])
     return conform(rows.append_column("in_stable_prefix", in_prefix), COMMITTED_ENTRIES_SCHEMA)
@@ -374,7 +373,7 @@ def pending_entries(entries: pa.Table, narrow: pa.Table, duplicate: np.ndarray, 
                                           pc.is_valid(ledger_txns["data_entry_id"])))
     keys = ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"]
     rows = kept_txn_data(narrow, duplicate).select(keys + ["_row"]).join(unmarked.select(keys), keys, join_type="left semi")
-    return conform(entries.filter(rows_mask(entries.num_rows, rows["_row"])), LEDGER_ENTRIES_SCHEMA)
+    return conform(entries.filter(pa.array(rows_mask(entries.num_rows, rows["_row"]))), LEDGER_ENTRIES_SCHEMA)
 
 
 def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:

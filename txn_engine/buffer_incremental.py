@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
@@ -782,9 +783,7 @@ def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan,
     require_ledger_entries(source.schema.empty_table())
     topics = pc.unique(source.to_table(columns=["topic"])["topic"]).to_pylist()
     # Biggest first (by the catalog's ledger count), so the last topic to finish is a small one.
-    ledger_count = {topic: 0 for topic in topics}
-    for topic, _, _ in plan.last_entries:
-        ledger_count[topic] = ledger_count.get(topic, 0) + 1
+    ledger_count = Counter(topic for topic, _, _ in plan.last_entries)
     no_state = lambda table, rows: arrow_schema(SCHEMAS[table]).empty_table()  # noqa: E731
 
     def topic_tables(topic: str) -> buffer_arrow.ScopeTables:
