@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from pathlib import Path
@@ -134,6 +135,8 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             # Our log4j2 configuration (log4j2.properties here): without one Spark logs at INFO and announces
             # its default profile on every start, burying the CLI's story. A set conf dir wins.
             os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
+            # Python workers (the buffer kernel's UDFs) run this interpreter, which has the project's packages.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         started = time.perf_counter()
         builder = SparkSession.builder
         for key, value in wanted.items():

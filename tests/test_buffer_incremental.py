@@ -29,7 +29,7 @@ from tests.test_buffer_jobs import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer_incremental import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer, spark_jobs_beside
+from txn_engine.buffer_incremental import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.locks import TableLockTimeout
@@ -118,7 +118,7 @@ def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen
         asked = data.draw(st.lists(st.sampled_from(sorted({x.ledger_id for x in chunks[0]})), max_size=2)) if n else []
         # The first (full) run on Spark, as a log too big for the driver runs; the full run in Arrow below.
         result = refresh(warehouse, ledgers=asked, driver_full_run_max_bytes=0 if n == 0 else None)
-        assert (result.full, result.computed_by) == ((True, "spark") if n == 0 else (False, "arrow"))
+        assert (result.full, result.computed_by) == ((True, "spark") if n == 0 else (False, "driver"))
         assert actual_rows(warehouse) == reference_rows(entries[:cut] if n == 0 else entries), \
             f"after chunk {n}: {[brief(h) for h in histories]}"
     in_arrow = stored_rows(warehouse)
@@ -131,7 +131,7 @@ def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen
     # A full recompute gives identical tables (and state), and its violations are the reference's
     # totals: in Arrow, a topic per thread (a log this small), and on Spark.
     expected = expected_tables(entries)["violations"]
-    for bound, computed_by in ((None, "arrow"), (0, "spark")):
+    for bound, computed_by in ((None, "driver"), (0, "spark")):
         result = refresh(warehouse, full=True, driver_full_run_max_bytes=bound)
         assert (result.full, result.computed_by) == (True, computed_by)
         assert stored_rows(warehouse) == incremental, f"full, computed by {computed_by}: {[brief(h) for h in histories]}"
@@ -150,7 +150,7 @@ def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen
     assert result.ledgers == [] and result.retained_ledgers == len({(x.topic, x.ledger_id) for x in entries if x.ledger_id in gone})
     assert actual_rows(warehouse) == expected, f"after deleting {gone}: {[brief(h) for h in histories]}"
     result = refresh(warehouse, full=True)
-    assert (result.full, result.computed_by) == (True, "arrow")
+    assert (result.full, result.computed_by) == (True, "driver")
     assert actual_rows(warehouse) == expected, f"full, after deleting {gone}: {[brief(h) for h in histories]}"
 
 
@@ -232,7 +232,7 @@ def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehou
 
     append(warehouse, spark, later)
     incremental = refresh(warehouse, ledgers=[1])  # with a backfill of ledger 1 (b's; s's is retained)
-    assert (incremental.computed_by, incremental.ledgers) == ("arrow", [1, 12, 22, 32])
+    assert (incremental.computed_by, incremental.ledgers) == ("driver", [1, 12, 22, 32])
     tables = actual_rows(warehouse)
     assert tables == expected(first + later)
     visible = len(LEDGER_ENTRY_COLUMNS)  # committed_entries: then visible_ledger_id, visible_entry_id, local_seq
@@ -249,15 +249,14 @@ def test_a_deleted_ledger_changes_no_decision_of_the_ledgers_left(spark, warehou
 
 
 
-# Small incremental runs are computed in Arrow and written by delta-rs; big ones on Spark: both paths, same tables.
-# On Spark as past the broadcast bound too (committed rows joined with their blocks by shuffle):
-# the rows of older ledgers a commit makes visible come from the pending state there.
-@pytest.mark.parametrize("driver_write_max_bytes, written_by, computed_by", [(1 << 20, "driver", "arrow"),
+# Small incremental runs are computed in the driver and written by delta-rs; big ones on Spark:
+# both ways, same tables. On Spark the rows of older ledgers a commit makes visible come from the
+# pending state.
+@pytest.mark.parametrize("driver_write_max_bytes, written_by, computed_by", [(1 << 20, "driver", "driver"),
                                                                                (0, "spark", "spark")])
 def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(spark, warehouse, driver_write_max_bytes,
                                                                                 written_by, computed_by):
-    bounds = {"driver_write_max_bytes": driver_write_max_bytes, "broadcast_max_bytes": driver_write_max_bytes,
-              "driver_full_run_max_bytes": driver_write_max_bytes}
+    bounds = {"driver_write_max_bytes": driver_write_max_bytes, "driver_full_run_max_bytes": driver_write_max_bytes}
 
     # A transaction spanning ledgers 1 -> 3 (its data in 1 reaches committed_entries from the
     # pending state), a retried send in ledger 3 repeating ledger 1's sequence, a hanging
@@ -421,26 +420,6 @@ def test_retention_waits_for_a_buffer_run(spark, prepared):
     deleting.join(60)
     assert deleted_at and deleted_at[0] > released_at  # nothing deleted while the run held the lock
     assert 1 not in ledgers_of(LEDGER_ENTRIES) and 1 not in ledgers_of(COMMITTED_ENTRIES)
-
-
-def test_jobs_beside_a_failed_write_are_interrupted_not_waited_for(spark):
-    """A run that crashes mid-write must not wait for the violation totals counted beside it."""
-    tracker = spark.sparkContext.statusTracker()
-    # Minutes of work on two cores: it can only end early by being interrupted.
-    endless = lambda: spark.range(0, 10**12, 1, 2).selectExpr("max(id)").first()  # noqa: E731
-    with pytest.raises(Crash, match="the write"):
-        with spark_jobs_beside(spark, endless, "test-beside") as scanning:
-            deadline = time.monotonic() + 120
-            while not tracker.getActiveJobsIds():  # the job is running before the body fails
-                assert time.monotonic() < deadline, "the job beside never started"
-                time.sleep(0.05)
-            raise Crash("the write")
-    assert scanning.done() and "cancel" in str(scanning.exception()).lower()
-    assert not tracker.getActiveJobsIds()
-    # When the body succeeds the work's result is there; the session works after an interrupt.
-    with spark_jobs_beside(spark, lambda: spark.range(7).count(), "test-beside") as counting:
-        assert spark.range(3).count() == 3
-    assert counting.result() == 7
 
 
 def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehouse):

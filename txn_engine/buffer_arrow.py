@@ -1,18 +1,14 @@
-"""The buffer's incremental step in Arrow, for a scope small enough for the driver.
+"""The transaction-buffer kernel: every rule of the buffer, once, over Arrow tables of narrow columns.
 
-An incremental run over a few new ledgers (`buffer_incremental.refresh_buffer`) computes the
-same rows as `buffer_jobs` on Spark, from tens of thousands of entries and a few narrow state
-rows. On Spark that was 40-odd jobs of fixed cost (planning, scheduling, Delta scans): 10-13 s for
-one 50,000-entry ledger on a 10M-entry log, whatever the work. Here the same steps are Arrow
-kernels in the driver, fed by delta-rs reads: tens of milliseconds each.
+`scope_tables` decides a scope (some ledgers of some topics, with the state of the others) from
+the narrow columns of its entries (`NARROW_COLUMNS`, never a payload) and returns every narrow
+table a run writes plus its decisions on rows (`VISIBLE`, `PENDING`); the caller selects the
+wide rows from them. Every fact is a topic's own, so callers may run it a topic at a time: in the
+driver a thread per topic, on Spark a group per topic (`buffer_spark`). The pure-Python
+reference (`transaction_buffer`) is the test oracle of this module, not a part of it.
 
-Each function here is the Arrow twin of the `buffer_jobs` / `buffer_incremental` function of the
-same name, with the same rule (their docstrings state them); the differential tests hold the
-two to equal rows on random histories (`tests/test_buffer_incremental.py`). Spark stays the
-path of full runs and of big scopes; the reference (`transaction_buffer`) stays the oracle of both.
-
-Row identity: the functions carry `_row` (the entry's index in the scope's table) through the
-narrow steps and `take` full rows once at the end, so payloads never go through a join or sort.
+Row identity: `_row` is a row's index in the scope's narrow table (then the pending rows read
+from the state), carried through the steps, so the caller can pick full rows by mask.
 """
 
 from __future__ import annotations
@@ -24,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from txn_engine import buffer_jobs
 from txn_engine.delta_io import arrow_schema
+from txn_engine.errors import TxnlakeError
 from txn_engine.positions import Position, position_before
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -42,20 +38,28 @@ from txn_engine.schema import (
     BUFFER_SEQUENCE_RANGES_SCHEMA,
     COMMITTED_ENTRIES_SCHEMA,
     LEDGER_ENTRIES_SCHEMA,
+    LEDGER_ENTRY_COLUMNS,
     POSITION_COLUMNS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS_SCHEMA,
 )
 from txn_engine.transaction_buffer import EntryType, Violation
 
-# The Spark functions' keys, as the lists pyarrow takes.
-TXN_KEY = list(buffer_jobs.TXN_KEY)
-SEQUENCE_KEY = list(buffer_jobs.SEQUENCE_KEY)
+TXN_KEY = ["topic", "txn_most_bits", "txn_least_bits"]
+SEQUENCE_KEY = ["topic", "producer_id", "sequence_id"]
 POSITIONS = list(POSITION_COLUMNS)
+VIOLATIONS = tuple(v.value for v in Violation)
+# The only columns the rules read; the rest (payload above all) is selected by the caller.
+NARROW_COLUMNS = ("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits",
+                  "producer_id", "sequence_id")
+# The kernel's decisions on rows, beside the tables it writes whole.
+VISIBLE = "visible"  # per committed row: `_row`, its position and VISIBLE_COLUMNS
+PENDING = "pending"  # per row of the scope to keep in `buffer_pending_entries`: `_row` and its position
+VISIBLE_COLUMNS = ("visible_ledger_id", "visible_entry_id", "local_seq", "in_stable_prefix")
 _NULL_LONG = pa.scalar(None, pa.int64())
 
 
-# -- column helpers (as buffer_jobs') ----------------------------------------------------------
+# -- column helpers ------------------------------------------------------------------------------
 
 def is_data(table: pa.Table) -> pa.ChunkedArray:
     return pc.equal(table["entry_type"], EntryType.DATA.value)
@@ -80,6 +84,17 @@ def position_lt(ledger, entry, other_ledger, other_entry) -> pa.ChunkedArray:
 def position_le(ledger, entry, other_ledger, other_entry) -> pa.ChunkedArray:
     return pc.or_(pc.less(ledger, other_ledger),
                   pc.and_(pc.equal(ledger, other_ledger), pc.less_equal(entry, other_entry)))
+
+
+def require_ledger_entries(entries) -> None:
+    """Refuse a table (Arrow or Spark) without the ledger_entries columns, before any work."""
+    names = entries.column_names if isinstance(entries, pa.Table) else entries.columns
+    missing = [c for c in LEDGER_ENTRY_COLUMNS if c not in names]
+    if missing:
+        raise TxnlakeError(
+            f"the transaction buffer needs the ledger_entries columns; missing: {', '.join(missing)}. "
+            "Pass the ledger_entries table (txn_engine.schema.LEDGER_ENTRIES_SCHEMA), e.g. warehouse.read('ledger_entries')."
+        )
 
 
 def conform(table: pa.Table, schema) -> pa.Table:
@@ -213,7 +228,8 @@ def is_duplicate(narrow: pa.Table, duplicates: pa.Table) -> np.ndarray:
 
 
 def by_ledger_txn(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
-    """Per (topic, ledger_id, txn): `buffer_jobs.by_ledger_txn`, in `BUFFER_LEDGER_TXNS_SCHEMA`.
+    """Per (topic, ledger_id, txn): entry count, last entry, markers, first kept DATA, duplicates
+    (`BUFFER_LEDGER_TXNS_SCHEMA`): the per-ledger facts every other fact is a fold of.
 
     `duplicate` flags the rows of `narrow` (by `_row`) that are duplicates. The first marker's
     kind is taken with its entry id in one min: entry_id * 2 + (0 for COMMIT, 1 for ABORT), exact
@@ -249,7 +265,7 @@ def by_ledger_txn(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
 
 def txns_from_ledger_txns(ledger_txns: pa.Table) -> pa.Table:
     """Per (topic, txn): marker_count, the first marker (ledger, entry, outcome) and the first kept
-    data entry; `buffer_jobs.txns_from_ledger_txns`."""
+    data entry."""
     rows = ledger_txns.filter(has_txn(ledger_txns))
     counts = rows.group_by(TXN_KEY, use_threads=False).aggregate([("marker_count", "sum")]).rename_columns(
         TXN_KEY + ["marker_count"])
@@ -267,7 +283,7 @@ def txns_from_ledger_txns(ledger_txns: pa.Table) -> pa.Table:
 
 def stable_positions(txns: pa.Table, ledgers: Iterable[tuple[str, int, int]]) -> pa.Table:
     """Per topic of `ledgers` ((topic, ledger_id, last_entry_id) of every ledger): the max read
-    position, the last position and the ongoing count; `buffer_jobs.stable_from_facts`."""
+    position, the last position and the ongoing count."""
     ongoing = txns.filter(pc.equal(txns["marker_count"], 0))  # every row left has kept data
     first: dict[str, tuple[Position, int]] = {}
     for topic, ledger, entry in zip(*(ongoing[c].to_pylist() for c in ("topic", "first_data_ledger_id", "first_data_entry_id"))):
@@ -312,16 +328,17 @@ def committed_txns(txns: pa.Table) -> pa.Table:
 
 
 def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.Table:
-    """`committed_entries` rows from kept DATA rows (full rows) and `committed_txns`; `buffer_jobs.read_committed`.
+    """The `VISIBLE` decisions: which kept DATA rows of `data` (narrow, with `_row`) a read-committed
+    reader sees, where (`visible_ledger_id`, `visible_entry_id`), in what order (`local_seq`) and
+    whether at or below the stable position (`in_stable_prefix`), ordered by `_row`.
 
     Transactional rows of a transaction missing from `committed` are left out.
     """
-    data = with_row_index(data)
     txn = has_txn(data)
     plain = data.select(POSITIONS + ["_row"]).filter(pc.invert(txn))
     plain = plain.append_column("visible_ledger_id", plain["ledger_id"]).append_column(
         "visible_entry_id", plain["entry_id"]).append_column("local_seq", pa.array(np.zeros(plain.num_rows, dtype=np.int64)))
-    # Numbered over all the transaction's kept data, then cut at the marker: local_seq as on Spark.
+    # Numbered over all the transaction's kept data, then cut at the marker.
     ordered = grouped(data.select(TXN_KEY + ["ledger_id", "entry_id", "_row"]).filter(txn), TXN_KEY, ["ledger_id", "entry_id"])
     ordered = ordered.append_column("local_seq", pa.array(rank_in_group(group_starts(ordered, TXN_KEY)).astype(np.int64)))
     numbered = ordered.join(committed, TXN_KEY, join_type="inner")
@@ -330,17 +347,26 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
     visible = pa.concat_tables([plain.select(_VISIBLE_COLUMNS), numbered.select(_VISIBLE_COLUMNS)], promote_options="default")
     stable_at = stable.select(["topic", "max_read_ledger_id", "max_read_entry_id"])
     visible = visible.join(stable_at, "topic", join_type="inner")
-    # Full rows picked by a mask, in their stored order (a row is visible at most once): a `take` of
-    # payloads is 5-8x slower than a filter.
     visible = visible.take(pc.sort_indices(visible["_row"]))
     in_prefix = position_le(visible["ledger_id"], visible["entry_id"], visible["max_read_ledger_id"], visible["max_read_entry_id"])
-    rows = data.filter(pa.array(rows_mask(data.num_rows, visible["_row"]))).drop_columns(["_row"])
-    for name in ("visible_ledger_id", "visible_entry_id", "local_seq"):
-        rows = rows.append_column(name, visible[name])
-    return conform(rows.append_column("in_stable_prefix", in_prefix), COMMITTED_ENTRIES_SCHEMA)
+    return visible.select(_VISIBLE_COLUMNS).append_column("in_stable_prefix", in_prefix)
 
 
 _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id", "local_seq"]
+
+
+def select_rows(rows: pa.Table, decided: pa.Table, schema) -> pa.Table:
+    """The full `rows` that `decided` (`_row`-ordered decisions by `_row`) names, with the decisions'
+    own columns beyond the position appended, in `schema`: a filter by mask, as a `take` of
+    payloads is several times slower."""
+    decided = decided.take(pc.sort_indices(decided["_row"]))  # a join may have reordered them
+    picked = rows.filter(pa.array(rows_mask(rows.num_rows, decided["_row"]))) if decided.num_rows < rows.num_rows \
+        else rows
+    for name in decided.column_names:
+        if name not in POSITIONS and name != "_row" and name not in picked.column_names:
+            picked = picked.append_column(name, decided[name])
+    return conform(picked, schema)
+
 
 
 def without_ledgers(rows: pa.Table, ledgers: Iterable[tuple[str, int]], column: str = "ledger_id") -> pa.Table:
@@ -367,13 +393,15 @@ def ledger_filter(ledger_ids: pa.Array | pa.ChunkedArray) -> pc.Expression:
             & pc.field("ledger_id").isin(pc.unique(ledger_ids)))
 
 
-def pending_entries(entries: pa.Table, narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Table) -> pa.Table:
-    """Kept transactional DATA rows whose transaction has no marker in their own ledger."""
+def pending_entries(narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Table) -> pa.Table:
+    """The `PENDING` decisions: kept transactional DATA rows (`_row` and position) whose transaction
+    has no marker in their own ledger, ordered by `_row`."""
     unmarked = ledger_txns.filter(pc.and_(pc.and_(has_txn(ledger_txns), pc.equal(ledger_txns["marker_count"], 0)),
                                           pc.is_valid(ledger_txns["data_entry_id"])))
     keys = ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"]
-    rows = kept_txn_data(narrow, duplicate).select(keys + ["_row"]).join(unmarked.select(keys), keys, join_type="left semi")
-    return conform(entries.filter(pa.array(rows_mask(entries.num_rows, rows["_row"]))), LEDGER_ENTRIES_SCHEMA)
+    rows = kept_txn_data(narrow, duplicate).select(keys + ["entry_id", "_row"]).join(unmarked.select(keys), keys,
+                                                                                      join_type="left semi")
+    return rows.take(pc.sort_indices(rows["_row"])).select(["_row"] + POSITIONS)
 
 
 def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
@@ -434,34 +462,35 @@ def scoped_violation_totals(narrow: pa.Table, duplicate: np.ndarray, duplicates:
 
 @dataclass(frozen=True)
 class ScopeTables:
-    """Every table one incremental run writes, by name (its scope's rows; `stable_positions` whole),
-    and the counts of the violations in the scope."""
+    """What the kernel decided for one scope: every narrow table a run writes, by name (its scope's
+    rows; `stable_positions` whole), the row decisions `VISIBLE` and `PENDING` (whose `_row` counts
+    the scope's entries, then `pending_read`), and the counts of the violations in the scope."""
 
     tables: dict[str, pa.Table]
     violations: dict[str, int]
+    pending_read: pa.Table  # the `buffer_pending_entries` rows `read_state` returned, as it returned them
 
 
 StateReader = Callable[[str, pc.Expression], pa.Table]
 
 
-def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, old_stable: Mapping[str, int],
+def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old_stable: Mapping[str, int],
                  ledgers: Iterable[tuple[str, int, int]], spared: Iterable[tuple[str, int]] = (),
                  retained: Iterable[tuple[str, int]] = ()) -> ScopeTables:
-    """The incremental run over `entries` (every entry of the scope's ledgers, full rows).
+    """The run over a scope: `narrow` holds at least `NARROW_COLUMNS` of every entry of the scope's ledgers.
 
     `read_state(table, filter)`: the rows of a state table that match `filter` (a pyarrow
-    expression), without those of the ledgers the run replaces. Only the rows a run can use are
-    asked for, so the driver holds rows in proportion to the scope, not to the history: the
-    sequence ranges of the scope's producers, the `buffer_ledger_txns` rows of the transactions
-    the scope touches or that may be ongoing (`txns_to_refold` decides exactly among them), the
-    pending rows of the transactions the scope touches. `old_stable`: topic -> stored stable
-    ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog and every
-    retained (deleted) one; `retained`: those (topic, ledger) pairs, whose pending rows number
+    expression), without those of the ledgers the run replaces; for `buffer_pending_entries` at
+    least `NARROW_COLUMNS`. Only the rows a run can use are asked for, so memory follows the
+    scope, not the history: the sequence ranges of the scope's producers, the `buffer_ledger_txns`
+    rows of the transactions the scope touches or that may be ongoing (`txns_to_refold` decides
+    exactly among them), the pending rows of those transactions. `old_stable`: topic -> stored
+    stable ledger; `ledgers`: (topic, ledger_id, last_entry_id) of every ledger of the catalog and
+    every retained (deleted) one; `retained`: those (topic, ledger) pairs, whose pending rows number
     later rows (`local_seq`) but are not read; `spared`: the retained pairs whose id is in `scope`,
     whose rows the run does not write.
     """
-    entries = conform(entries, LEDGER_ENTRIES_SCHEMA)
-    narrow = with_row_index(entries.select(list(buffer_jobs.NARROW_COLUMNS)))
+    narrow = with_row_index(narrow.select(list(NARROW_COLUMNS)))
     sequenced_here = sequenced(narrow)
     earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
                                 & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))
@@ -479,27 +508,59 @@ def scope_tables(entries: pa.Table, scope: set[int], read_state: StateReader, ol
                                                           BUFFER_LEDGER_TXNS_SCHEMA)])
     txns = txns_from_ledger_txns(folded)
     # Only transactions with a marker in the scope can commit there: all are in `refold`.
-    pending = read_state(BUFFER_PENDING_ENTRIES, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
+    pending_read = read_state(BUFFER_PENDING_ENTRIES, pc.field("txn_least_bits").isin(pc.unique(refold["txn_least_bits"])))
+    pending = pending_read.select(list(NARROW_COLUMNS)).append_column(
+        "_row", pa.array(np.arange(narrow.num_rows, narrow.num_rows + pending_read.num_rows, dtype=np.int64)))
     stable = stable_positions(txns, ledgers)
 
     def in_scope(table: pa.Table, column: str) -> pa.Table:
         return without_ledgers(table.filter(pc.is_in(table[column], pa.array(sorted(scope), pa.int64()))), spared, column)
 
     committed = in_scope(committed_txns(txns), "visible_ledger_id")
-    kept_data = entries.filter(pc.and_(is_data(entries), pa.array(~duplicate)))
+    kept_data = narrow.filter(pc.and_(is_data(narrow), pa.array(~duplicate)))
     # Rows of older ledgers that a commit in the scope makes visible.
-    pending_committed = conform(pending, LEDGER_ENTRIES_SCHEMA).join(committed.select(TXN_KEY), TXN_KEY, join_type="left semi")
-    data = pa.concat_tables([kept_data, conform(pending_committed, LEDGER_ENTRIES_SCHEMA)], promote_options="default")
+    pending_committed = pending.join(committed.select(TXN_KEY), TXN_KEY, join_type="left semi")
+    data = pa.concat_tables([kept_data, pending_committed.select(kept_data.column_names)])
     return ScopeTables(
         tables={
             TXN_MARKERS: in_scope(markers_from_txns(txns), "ledger_id"),
             ABORTED_TXNS: in_scope(aborted_from_txns(txns), "abort_ledger_id"),
-            COMMITTED_ENTRIES: without_ledgers(read_committed(data, committed, stable), retained),
+            VISIBLE: without_ledgers(read_committed(data, committed, stable), retained),
             STABLE_POSITIONS: stable,
-            BUFFER_PENDING_ENTRIES: pending_entries(entries, narrow, duplicate, scope_ledger_txns),
+            PENDING: pending_entries(narrow, duplicate, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(duplicates, BUFFER_DUPLICATES_SCHEMA),
             BUFFER_SEQUENCE_RANGES: sequence_ranges(narrow, duplicate),
             BUFFER_LEDGER_TXNS: scope_ledger_txns,
         },
         violations=scoped_violation_totals(narrow, duplicate, duplicates, txns, scope_ledger_txns),
+        pending_read=pending_read,
     )
+
+
+_STATE_SCHEMAS = {BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA, BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
+                  BUFFER_PENDING_ENTRIES: LEDGER_ENTRIES_SCHEMA}
+
+
+def no_state(table: str, rows: pc.Expression) -> pa.Table:
+    """A `StateReader` of an empty state: a first or full run."""
+    return arrow_schema(_STATE_SCHEMAS[table]).empty_table()
+
+
+def full_scope_tables(narrow: pa.Table) -> ScopeTables:
+    """`scope_tables` over whole topics with no state: every ledger of `narrow` in the scope, each
+    ledger's last entry its own (the entries, not a catalog, say which ledgers there are)."""
+    last = narrow.group_by(["topic", "ledger_id"], use_threads=False).aggregate([("entry_id", "max")])
+    ledgers = list(zip(last["topic"].to_pylist(), last["ledger_id"].to_pylist(), last["entry_id_max"].to_pylist()))
+    return scope_tables(narrow, {ledger for _, ledger, _ in ledgers}, no_state, {}, ledgers)
+
+
+def wide_tables(decided: ScopeTables, entries: pa.Table) -> dict[str, pa.Table]:
+    """Every table of a run decided in the driver: the narrow ones as decided, `committed_entries`
+    and `buffer_pending_entries` selected from the full rows (`entries`: the scope's, in the order
+    the kernel was given them; then the pending rows it read)."""
+    tables = {name: table for name, table in decided.tables.items() if name not in (VISIBLE, PENDING)}
+    rows = pa.concat_tables([conform(entries, LEDGER_ENTRIES_SCHEMA), conform(decided.pending_read, LEDGER_ENTRIES_SCHEMA)])
+    tables[COMMITTED_ENTRIES] = select_rows(rows, decided.tables[VISIBLE], COMMITTED_ENTRIES_SCHEMA)
+    tables[BUFFER_PENDING_ENTRIES] = select_rows(conform(entries, LEDGER_ENTRIES_SCHEMA), decided.tables[PENDING],
+                                                 LEDGER_ENTRIES_SCHEMA)
+    return tables

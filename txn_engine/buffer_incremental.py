@@ -70,51 +70,20 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-import uuid
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, Iterator, Mapping, NamedTuple, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from delta.tables import DeltaTable
-from pyspark.sql import Column, DataFrame, Row, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
-from txn_engine import buffer_arrow
-from txn_engine.buffer_jobs import (
-    BROADCAST_MAX_BYTES,
-    DUPLICATE_COLUMNS,
-    NARROW_COLUMNS,
-    SEQUENCE_KEY,
-    TXN_KEY,
-    VIOLATIONS,
-    BufferFacts,
-    aborted_from_facts,
-    blocks_fit_broadcast,
-    blocks_of,
-    committed_txns,
-    conform,
-    duplicate_entries,
-    has_sequence,
-    has_txn,
-    is_data,
-    late_data,
-    ledger_txn_blocks,
-    ledger_txns_from_blocks,
-    markers_from_facts,
-    position_lt,
-    read_committed,
-    require_ledger_entries,
-    stable_from_facts,
-    txns_from_ledger_txns,
-    violation_totals,
-    violations_from_facts,
-)
+from txn_engine import buffer_arrow, buffer_spark
+from txn_engine.buffer_arrow import VIOLATIONS, require_ledger_entries
 from txn_engine.delta_io import (
-    DRIVER_FULL_RUN_MAX_BYTES,
-    DRIVER_WRITE_MAX_BYTES,
     arrow_schema,
     DeltaTables,
     fits_driver,
@@ -140,16 +109,13 @@ from txn_engine.schema import (
     DELETED_LEDGERS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
-    LEDGER_ENTRY_COLUMNS,
     LEDGERS,
     LEDGERS_SCHEMA,
-    POSITION_COLUMNS,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import Violation
 from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
@@ -192,7 +158,7 @@ class BufferRefresh:
     # "spark": the tables of entry rows by Spark's Delta writer (the narrow ones that fit through
     # the driver all the same), or "driver": every table collected as Arrow and committed by delta-rs.
     written_by: str = "spark"
-    computed_by: str = "spark"  # "spark", or "arrow": an incremental run small enough for the driver (buffer_arrow)
+    computed_by: str = "spark"  # where the kernel ran: "spark", or "driver" (`refresh_buffer`'s `compute`)
     # Ledgers retention deleted whose facts the state keeps (their transactions stay decided, their
     # sequence ids seen): every one so far, not only this run's.
     retained_ledgers: int = 0
@@ -206,119 +172,6 @@ class BufferRefresh:
         if self.retained_ledgers:
             text += f"; the facts of {self.retained_ledgers} deleted ledgers kept"
         return text
-
-
-# -- pure DataFrame steps ----------------------------------------------------------------------
-
-SEQUENCE_GROUP = ("topic", "producer_id", "ledger_id")
-
-
-def sequence_ranges(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids first seen in that ledger.
-
-    Only kept DATA entries count (the `duplicates` positions are left out), so every pair occurs
-    once and no `distinct` is needed. The union of the runs of the ledgers before L is still
-    exactly the set of pairs seen before L (a pair seen there was first seen there), which is
-    all `duplicates_of_earlier_ledgers` asks. One hash aggregate decides most groups (a group
-    is one run when its count fills the span: `sequence_spans`); only groups with gaps are sorted
-    into runs (`ranges_from_spans`).
-    """
-    return ranges_from_spans(sequence_spans(narrow, duplicates), narrow, duplicates)
-
-
-def sequence_spans(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """Per (topic, producer_id, ledger_id): first and last kept sequence id, and `_n` kept entries."""
-    return _kept_sequenced(narrow, duplicates).groupBy(*SEQUENCE_GROUP).agg(
-        F.min("sequence_id").alias("first_sequence_id"),
-        F.max("sequence_id").alias("last_sequence_id"),
-        F.count("*").alias("_n"),
-    )
-
-
-def spans_with_gaps() -> Column:
-    return F.col("_n") != F.col("last_sequence_id") - F.col("first_sequence_id") + 1
-
-
-def ranges_from_spans(spans: DataFrame, narrow: DataFrame, duplicates: DataFrame, gaps: bool = True) -> DataFrame:
-    """`sequence_ranges` from `sequence_spans`; `gaps=False` (the caller counted none) reads no entry again."""
-    whole = spans.filter(~spans_with_gaps()).drop("_n")
-    if not gaps:
-        return conform(whole, BUFFER_SEQUENCE_RANGES_SCHEMA)
-    # Groups with gaps are few (a producer whose sends interleave with a retry's ledger); broadcast their keys.
-    group = list(SEQUENCE_GROUP)
-    gappy = _kept_sequenced(narrow, duplicates).join(F.broadcast(spans.filter(spans_with_gaps()).select(*group)), group,
-                                                     "left_semi")
-    island = F.col("sequence_id") - F.row_number().over(Window.partitionBy(*group).orderBy("sequence_id"))
-    runs = gappy.withColumn("_island", island).groupBy(*group, "_island").agg(
-        F.min("sequence_id").alias("first_sequence_id"), F.max("sequence_id").alias("last_sequence_id")
-    )
-    return conform(whole.unionByName(runs.drop("_island")), BUFFER_SEQUENCE_RANGES_SCHEMA)
-
-
-def _kept_sequenced(narrow: DataFrame, duplicates: DataFrame) -> DataFrame:
-    return narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_GROUP, "entry_id", "sequence_id").join(
-        F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti"
-    ).drop("entry_id")
-
-
-def duplicates_of_earlier_ledgers(narrow: DataFrame, earlier_ranges: DataFrame) -> DataFrame:
-    """DATA entries whose (producer_id, sequence_id) a run of an earlier ledger of the topic holds (`DUPLICATE_COLUMNS`)."""
-    sequenced = narrow.filter(is_data() & has_sequence()).select(*SEQUENCE_KEY, *DUPLICATE_COLUMNS[1:])
-    ranges = earlier_ranges.select(
-        "topic", "producer_id", F.col("ledger_id").alias("_rl"), "first_sequence_id", "last_sequence_id"
-    )
-    hit = sequenced.join(ranges, ["topic", "producer_id"]).filter(
-        (F.col("_rl") < F.col("ledger_id"))
-        & F.col("sequence_id").between(F.col("first_sequence_id"), F.col("last_sequence_id"))
-    )
-    return hit.select(*DUPLICATE_COLUMNS).distinct()
-
-
-def pending_entries(entries: DataFrame, duplicates: DataFrame, ledger_txns: DataFrame) -> DataFrame:
-    """Kept transactional DATA rows whose transaction has no marker in their own ledger."""
-    unmarked = ledger_txns.filter(has_txn() & (F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
-    # Usually few (transactions spanning a ledger boundary, and the ongoing ones): broadcast.
-    keys = F.broadcast(unmarked.select("topic", "ledger_id", "txn_most_bits", "txn_least_bits"))
-    rows = (
-        entries.filter(is_data() & has_txn())
-        .join(keys, ["topic", "ledger_id", "txn_most_bits", "txn_least_bits"], "left_semi")
-        .join(F.broadcast(duplicates.select(*POSITION_COLUMNS)), list(POSITION_COLUMNS), "left_anti")
-    )
-    return conform(rows, LEDGER_ENTRIES_SCHEMA)
-
-
-def scoped_violation_totals(facts: BufferFacts, scope_ledger_txns: DataFrame) -> DataFrame:
-    """One row: the count of each violation whose entry lies in the recomputed ledgers (`facts.entries`).
-
-    `facts.blocks` are the scope's blocks. A marker counts where it is: `duplicate_marker` for each
-    marker of the scope that is not its transaction's first, `marker_without_data` for first
-    markers of the scope with no kept data before them. Summed over the runs of a history they give
-    the full run's totals. Global aggregates, not per topic: a run reports totals, and grouping by
-    topic cost shuffles and joins.
-    """
-    txns = facts.txns.select(
-        *TXN_KEY, "marker_ledger_id", "marker_entry_id", "first_data_ledger_id", "first_data_entry_id"
-    )
-    scope_markers = (
-        scope_ledger_txns.filter(has_txn() & (F.col("marker_count") > 0))
-        .select(*TXN_KEY, "ledger_id", "marker_count")
-        .join(txns, list(TXN_KEY))
-    )
-    is_first_here = F.col("marker_ledger_id") == F.col("ledger_id")
-    data_before = F.col("first_data_ledger_id").isNotNull() & position_lt(
-        F.col("first_data_ledger_id"), F.col("first_data_entry_id"), F.col("marker_ledger_id"), F.col("marker_entry_id")
-    )
-    per_marker = scope_markers.agg(
-        F.coalesce(F.sum(F.col("marker_count") - F.when(is_first_here, 1).otherwise(0)), F.lit(0)).alias(
-            Violation.DUPLICATE_MARKER.value
-        ),
-        F.count(F.when(is_first_here & ~data_before, 1)).alias(Violation.MARKER_WITHOUT_DATA.value),
-    )
-    duplicates = facts.duplicates.agg(F.count("*").alias(Violation.DUPLICATE.value))
-    # From the scope's blocks: their kept entries after their transaction's first marker.
-    late = late_data(blocks_of(facts), facts.txns).agg(
-        F.coalesce(F.sum("_late"), F.lit(0)).alias(Violation.DATA_AFTER_MARKER.value))
-    return duplicates.crossJoin(per_marker).crossJoin(late).select(*[F.col(v).cast("long").alias(v) for v in VIOLATIONS])
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -495,111 +348,92 @@ def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: 
                      sum(r.size_bytes for r in rows) if sized else 0, [(r.topic, r.ledger_id, r.last_entry_id) for r in rows])
 
 
-def txns_to_refold(kept_ledger_txns: DataFrame, scope_ledger_txns: DataFrame, stable_rows) -> DataFrame:
-    """The rows of `kept_ledger_txns` whose transaction the run must fold again.
-
-    Those are the transactions the scope touches, and every transaction that may still be
-    ongoing: one with kept data and no marker in some ledger at or after its topic's stored
-    stable position (a transaction ongoing now was ongoing at the last run, so its first entry
-    lies after the stable position stored then, or it has entries in the scope). Decided
-    transactions wholly before the stable position are not refolded: their markers, abort and
-    commit rows are already written, which is what keeps a run proportional to its ledgers.
-    """
-    touched = scope_ledger_txns.filter(has_txn()).select(*TXN_KEY)
-    stable_at = [(r.topic, r.max_read_ledger_id) for r in stable_rows]
-    unmarked = kept_ledger_txns.filter(has_txn() & (F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
-    if stable_at:
-        at = kept_ledger_txns.sparkSession.createDataFrame(stable_at, "topic string, _sl long")
-        unmarked = unmarked.join(F.broadcast(at), "topic", "left").filter(
-            F.col("_sl").isNull() | (F.col("ledger_id") >= F.col("_sl"))
-        )
-    keys = touched.unionByName(unmarked.select(*TXN_KEY)).distinct()
-    return kept_ledger_txns.join(F.broadcast(keys), list(TXN_KEY), "left_semi")
-
-
 def refresh_buffer(
     wh: Warehouse,
     inventory: DataFrame | pa.Table | None = None,
     ledgers: Iterable[int] = (),
     full: bool = False,
     after_write: Callable[[str], None] | None = None,
-    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
-    broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
+    compute: str | None = None,
+    driver_write_max_bytes: int | None = None,
+    driver_full_run_max_bytes: int | None = None,
     lock_timeout_s: float = BUFFER_LOCK_TIMEOUT_S,
-    driver_full_run_max_bytes: int = DRIVER_FULL_RUN_MAX_BYTES,
 ) -> BufferRefresh:
     """Recompute the ledgers asked for (and whatever `plan_scope` adds), write every table; see the module doc.
 
     `inventory` is the ledger catalog: (topic, ledger_id, entry_count, last_entry_id, size_bytes)
     per ledger that `ledger_entries` holds (`ledger_inventory`: the `ledgers` table without its
     DELETED rows, as Arrow; or a DataFrame). None: `ledger_inventory`, read once the run holds the
-    buffer lock, so a run that waited for another plans on the catalog as it is then (an inventory
-    read before the wait could miss ledgers the other run added to the state, which this run would
-    then take for deleted ones). The whole run holds the buffer lock (`buffer_lock`), from reading
-    the state to its last write. An incremental run over at most
-    `driver_write_max_bytes` of entries is computed in Arrow and written through the driver
-    (`buffer_arrow`, `DRIVER_WRITE_MAX_BYTES`): with an Arrow inventory it starts no Spark job.
-    A full run of a log of at most `driver_full_run_max_bytes` (per the catalog's `size_bytes`;
-    a catalog without them never) is computed so too, a topic per core (`_refresh_full_in_driver`).
-    Others run on Spark; there `broadcast_max_bytes` bounds the blocks broadcast to the full rows
-    of `committed_entries` (`buffer_jobs.blocks_fit_broadcast`).
+    buffer lock, so a run that waited for another plans on the catalog as it is then. The whole
+    run holds the buffer lock (`buffer_lock`), from reading the state to its last write.
+
+    Where the kernel runs: `compute` (default: the warehouse's setting, `TXNLAKE_COMPUTE`) is
+    `driver`, `spark`, or `auto`: in the driver an incremental run over at most
+    `driver_write_max_bytes` of entries and a full run of a log of at most
+    `driver_full_run_max_bytes` (per the catalog's `size_bytes`; a catalog without them never),
+    else on Spark. The bounds default to the warehouse's settings too.
     """
+    settings = wh.settings
+    compute = (compute or settings.compute).lower()
+    scope_max = settings.driver_scope_max_bytes if driver_write_max_bytes is None else driver_write_max_bytes
+    full_max = settings.driver_full_run_max_bytes if driver_full_run_max_bytes is None else driver_full_run_max_bytes
+    route = _Route(compute, scope_max, full_max)
     with buffer_lock(wh, lock_timeout_s):
-        return _refresh_buffer(wh, ledger_inventory(wh) if inventory is None else inventory, ledgers, full, after_write,
-                               driver_write_max_bytes, broadcast_max_bytes, driver_full_run_max_bytes)
+        return _refresh_buffer(wh, ledger_inventory(wh) if inventory is None else inventory, ledgers, full, after_write, route)
+
+
+class _Route(NamedTuple):
+    """Where a run computes (`refresh_buffer`'s `compute` and bounds); writes follow `scope_max`."""
+
+    compute: str
+    scope_max: int
+    full_max: int
+
+    def scope_in_driver(self, size_bytes: int) -> bool:
+        return self.compute == "driver" or (self.compute == "auto" and size_bytes <= self.scope_max)
+
+    def full_run_in_driver(self, log_bytes: int) -> bool:
+        return self.compute == "driver" or (self.compute == "auto" and 0 < log_bytes <= self.full_max)
 
 
 def _refresh_buffer(wh: Warehouse, inventory: DataFrame | pa.Table, ledgers: Iterable[int], full: bool, after_write,
-                    driver_write_max_bytes: int, broadcast_max_bytes: int, driver_full_run_max_bytes: int) -> BufferRefresh:
+                    route: _Route) -> BufferRefresh:
     has_state = _has_state(wh)
     full = full or not has_state
     tables = DeltaTables(wh)
     known = stored_ledger_counts(wh) if has_state else {}
     plan = plan_scope(inventory, known, () if full else ledgers)
     if not full:
-        return _refresh_incrementally(wh, tables, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
+        return _refresh_incrementally(wh, tables, plan, after_write, route)
     # A full run's scope is every ledger the catalog lists, its size the whole log's.
     plan = plan._replace(ledgers={ledger for _, ledger, _ in plan.last_entries}, size_bytes=plan.log_bytes)
     if not plan.retained:
-        if 0 < plan.log_bytes <= driver_full_run_max_bytes:
+        if route.full_run_in_driver(plan.log_bytes):
             return _refresh_full_in_driver(wh, tables, plan, after_write)
         entries_all = wh.read(LEDGER_ENTRIES)
         require_ledger_entries(entries_all)
-        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, driver_write_max_bytes, broadcast_max_bytes)
+        return _refresh_on_spark(wh, entries_all, None, None, plan, after_write, route.scope_max)
     # Retention deleted ledgers whose facts only the state holds now: every listed ledger is
     # recomputed on top of them, which is the full recompute of the log as it was.
-    return replace(_refresh_incrementally(wh, tables, plan, after_write, driver_write_max_bytes, broadcast_max_bytes),
-                   full=True)
+    return replace(_refresh_incrementally(wh, tables, plan, after_write, route), full=True)
 
 
-def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write, driver_write_max_bytes: int,
-                           broadcast_max_bytes: int) -> BufferRefresh:
+def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write, route: _Route) -> BufferRefresh:
     if not plan.ledgers:
         return BufferRefresh(full=False, ledgers=[], retained_ledgers=len(plan.retained))
     # Small (a row per topic): read by delta-rs, without the Spark jobs of a Delta scan.
     old_stable = [Row(**r) for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA).to_pylist()]
-    if plan.size_bytes <= driver_write_max_bytes:
-        return _refresh_in_driver(wh, tables, old_stable, plan, after_write, plan.log_bytes <= driver_write_max_bytes)
+    if route.scope_in_driver(plan.size_bytes):
+        return _refresh_in_driver(wh, tables, old_stable, plan, after_write, plan.log_bytes <= route.scope_max)
     entries_all = wh.read(LEDGER_ENTRIES)
     require_ledger_entries(entries_all)
     # Small (the scope's entries) and read by every table: scanned from Delta once.
     entries = entries_all.filter(F.col("ledger_id").isin(sorted(plan.ledgers))).cache()
     kept_state = {t: wh.read(t).filter(_kept_state_rows(plan)) for t in STATE_TABLES}
     try:
-        return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, driver_write_max_bytes,
-                                 broadcast_max_bytes)
+        return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, route.scope_max)
     finally:
         entries.unpersist()
-
-
-def _without_retained(committed: DataFrame, plan: ScopePlan) -> DataFrame:
-    """`committed_entries` rows but those of retained (deleted) ledgers: a transaction's pending rows
-    there number its later rows (`local_seq`) but are not read."""
-    if not plan.retained:
-        return committed
-    retained = committed.sparkSession.createDataFrame([(t, ledger) for t, ledger, _ in plan.retained],
-                                                      "topic string, ledger_id long")
-    return committed.join(F.broadcast(retained), ["topic", "ledger_id"], "left_anti")
 
 
 def _kept_state_rows(plan: ScopePlan) -> Column:
@@ -620,133 +454,39 @@ def _replaced_rows(plan: ScopePlan, column: str, delta_rs: bool) -> str:
 
 
 def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write, driver_write_max_bytes: int,
-                      broadcast_max_bytes: int) -> BufferRefresh:
-    """The run on Spark: a full run (`kept_state` None), or an incremental one too big for the driver."""
+                      ) -> BufferRefresh:
+    """The run on Spark (`buffer_spark`): a full run (`kept_state` None), or an incremental one."""
     full = kept_state is None
-    narrow = entries.select(*NARROW_COLUMNS)
-    duplicates = duplicate_entries(narrow)
-    if not full:
-        duplicates = duplicates.unionByName(duplicates_of_earlier_ledgers(narrow, kept_state[BUFFER_SEQUENCE_RANGES])).distinct()
-    duplicates = duplicates.cache()
-    blocks = ledger_txn_blocks(narrow, duplicates).cache()
-    scope_ledger_txns = conform(ledger_txns_from_blocks(blocks), BUFFER_LEDGER_TXNS_SCHEMA).cache()
+    pending_rows = None
     if full:
-        folded = scope_ledger_txns
-        last_entries = folded.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
+        decided = buffer_spark.decide_full(entries)
     else:
-        folded = scope_ledger_txns.unionByName(txns_to_refold(kept_state[BUFFER_LEDGER_TXNS], scope_ledger_txns, old_stable))
-        # After this run the state describes exactly the catalog's ledgers (their last entries are the
-        # catalog's) and the retained ones.
-        last_entries = entries.sparkSession.createDataFrame(plan.last_entries + plan.retained,
-                                                            "topic string, ledger_id long, last_entry_id long")
-    txns = txns_from_ledger_txns(folded).cache()
-    facts = BufferFacts(entries, duplicates.select(*POSITION_COLUMNS), folded, last_entries, txns, blocks)
-    stable = stable_from_facts(facts).cache()
-    spans = sequence_spans(narrow, duplicates).cache()
-    gappy_ranges: list[DataFrame] = []  # cached when built, unpersisted with the facts
-
-    def sequence_ranges() -> DataFrame:
-        # Whether any group has gaps decides if the entries are read again; if they are, the
-        # result is cached: `fits_driver` counts it before it is written.
-        gaps = spans.filter(spans_with_gaps()).limit(1).count() > 0
-        ranges = ranges_from_spans(spans, narrow, duplicates, gaps)
-        if not gaps:
-            return ranges
-        gappy_ranges.append(ranges.cache())
-        return gappy_ranges[-1]
-
+        stable_at = {r.topic: r.max_read_ledger_id for r in old_stable}
+        reads = buffer_spark.state_reads(kept_state, entries, stable_at)
+        pending_rows = reads[BUFFER_PENDING_ENTRIES]
+        listed = plan.last_entries + plan.retained
+        topics = wh.spark.createDataFrame(pa.table({"topic": pa.array(sorted({t for t, _, _ in listed}), pa.string())}))
+        decided = buffer_spark.decide_scope(entries, reads, topics, plan.ledgers, stable_at, listed, plan.shadowed,
+                                            [(t, ledger) for t, ledger, _ in plan.retained])
     try:
-        markers = markers_from_facts(facts)
-        aborted = aborted_from_facts(facts)
-        rows, visible_from = entries.select(*LEDGER_ENTRY_COLUMNS), blocks
-        committed = committed_txns(facts.txns)
-        if not full:
-            in_scope = lambda column: F.expr(_replaced_rows(plan, column, delta_rs=False))  # noqa: E731
-            markers = markers.filter(in_scope("ledger_id"))
-            aborted = aborted.filter(in_scope("abort_ledger_id"))
-            committed = committed.filter(in_scope("visible_ledger_id"))
-            # Rows of older ledgers that a commit in the scope makes visible, and their blocks.
-            pending = kept_state[BUFFER_PENDING_ENTRIES].join(committed.select(*TXN_KEY), list(TXN_KEY), "left_semi")
-            rows = rows.unionByName(pending.select(*LEDGER_ENTRY_COLUMNS))
-            visible_from = blocks.unionByName(ledger_txn_blocks(pending.select(*NARROW_COLUMNS)))
-        written = {
-            TXN_MARKERS: markers,
-            ABORTED_TXNS: aborted,
-            # Built when its turn comes: the blocks are cached by then, and their count (broadcast or
-            # shuffle) adds no job ahead of the facts'.
-            COMMITTED_ENTRIES: lambda: _without_retained(read_committed(
-                rows, visible_from, committed, stable, broadcast=blocks_fit_broadcast(visible_from, broadcast_max_bytes)),
-                plan),
-            STABLE_POSITIONS: stable,
-            BUFFER_PENDING_ENTRIES: pending_entries(facts.entries, facts.duplicates, scope_ledger_txns),
-            BUFFER_DUPLICATES: conform(facts.duplicates, BUFFER_DUPLICATES_SCHEMA),
-            BUFFER_SEQUENCE_RANGES: sequence_ranges,
-            BUFFER_LEDGER_TXNS: scope_ledger_txns,
-        }
+        written = buffer_spark.wide_tables(decided, entries, pending_rows)
         driver = plan.size_bytes <= driver_write_max_bytes
 
         def by_driver(table: str, frame: DataFrame) -> bool:
             # Every table when the scope is small; else the narrow ones (a row per transaction and
-            # ledger at most) when they fit: delta-rs commits 1M such rows in ~0.7 s, Spark's Delta
-            # writer in ~2 s, and ~0.9 s for a table of one row.
+            # ledger at most) when they fit: delta-rs commits them without Spark's per-write jobs.
             return driver or (table in NARROW_TABLES and fits_driver(frame, driver_write_max_bytes))
 
-        # A full run's scope is every ledger: the totals fold from the transactions alone, without
-        # joining each ledger's marker rows with them.
-        totals = (lambda: violation_totals(violations_from_facts(facts))) if full else (
-            lambda: scoped_violation_totals(facts, scope_ledger_txns).first().asDict())
-        # The totals are counted beside the writes, in a second Spark job: its tasks fill the cores
-        # the writes leave idle (the last task of a stage running alone, a driver-side commit). Full
-        # run at 10M, alternating rounds: 43.9-50.9 s against 51.4-51.9 s one after the other.
-        txns.count()  # the facts cached first, so the two jobs read them rather than both computing them
-        with spark_jobs_beside(wh.spark, totals, "buffer-violations") as counting:
-            # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
-            _write(wh, written, lambda: stable.collect(), old_stable, plan, after_write, by_driver,
-                   plan.log_bytes <= driver_write_max_bytes)
-            counts = counting.result()
-        ledgers = (sorted({r.ledger_id for r in scope_ledger_txns.select("ledger_id").distinct().collect()}) if full
+        stable = written[STABLE_POSITIONS]
+        # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
+        _write(wh, written, lambda: stable.collect(), old_stable, plan, after_write, by_driver,
+               plan.log_bytes <= driver_write_max_bytes)
+        ledgers = (sorted(r.ledger_id for r in written[BUFFER_LEDGER_TXNS].select("ledger_id").distinct().collect()) if full
                    else sorted(plan.ledgers))
         return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark",
-                             retained_ledgers=len(plan.retained), violations={v: int(counts[v] or 0) for v in VIOLATIONS})
+                             retained_ledgers=len(plan.retained), violations=decided.violations())
     finally:
-        for frame in (duplicates, blocks, scope_ledger_txns, txns, stable, spans, *gappy_ranges):
-            frame.unpersist()
-
-
-T = TypeVar("T")
-
-
-@contextmanager
-def spark_jobs_beside(spark: SparkSession, work: Callable[[], T], name: str) -> Iterator[Future[T]]:
-    """Run `work` (Spark jobs) in a second thread while the body runs; yield its future.
-
-    If the body fails (a write crashes, the Dagster run is terminated), `work`'s jobs are
-    cancelled rather than waited for, and the body's error is what the caller sees: a failed
-    run returns at once, not after a count nobody will read. They carry a job tag of their own,
-    cancelled until the thread is done, which also catches a job that starts after the first
-    cancel. (SparkContext's job tags: on Spark classic 4.2 `SparkSession.interruptTag` found no
-    operation to interrupt and the job ran on.)
-    """
-    tag = f"txnlake-{name}-{uuid.uuid4().hex}"
-    context = spark.sparkContext
-
-    def tagged() -> T:
-        context.addJobTag(tag)  # per thread: only this thread's jobs carry it
-        try:
-            return work()
-        finally:
-            context.removeJobTag(tag)
-
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix=name) as pool:
-        future = pool.submit(tagged)
-        try:
-            yield future
-        except BaseException:
-            future.cancel()  # not started yet: it never will
-            while not future.done():
-                context.cancelJobsWithTag(tag)
-                wait([future], timeout=0.2)
-            raise
+        decided.unpersist()
 
 
 def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row], plan: ScopePlan, after_write,
@@ -758,14 +498,15 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
         kept = kept | ((pc.field("topic") == topic) & (pc.field("ledger_id") == ledger))
     entries = tables.dataset(LEDGER_ENTRIES).to_table(filter=buffer_arrow.ledger_filter(pa.array(sorted(plan.ledgers), pa.int64())))
     require_ledger_entries(entries)
-    computed = buffer_arrow.scope_tables(entries, plan.ledgers,
-                                         lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
-                                         {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries + plan.retained,
-                                         plan.shadowed, [(t, ledger) for t, ledger, _ in plan.retained])
-    new_stable = lambda: [Row(**r) for r in computed.tables[STABLE_POSITIONS].to_pylist()]  # noqa: E731
-    _write(wh, computed.tables, new_stable, old_stable, plan, after_write, lambda table, frame: True, flip_by_driver)
-    return BufferRefresh(full=False, ledgers=sorted(plan.ledgers), written_by="driver", computed_by="arrow",
-                         retained_ledgers=len(plan.retained), violations=computed.violations)
+    decided = buffer_arrow.scope_tables(entries, plan.ledgers,
+                                        lambda table, rows: tables.dataset(table).to_table(filter=kept & rows),
+                                        {r.topic: r.max_read_ledger_id for r in old_stable}, plan.last_entries + plan.retained,
+                                        plan.shadowed, [(t, ledger) for t, ledger, _ in plan.retained])
+    computed = buffer_arrow.wide_tables(decided, entries)
+    new_stable = lambda: [Row(**r) for r in computed[STABLE_POSITIONS].to_pylist()]  # noqa: E731
+    _write(wh, computed, new_stable, old_stable, plan, after_write, lambda table, frame: True, flip_by_driver)
+    return BufferRefresh(full=False, ledgers=sorted(plan.ledgers), written_by="driver", computed_by="driver",
+                         retained_ledgers=len(plan.retained), violations=decided.violations)
 
 
 def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write) -> BufferRefresh:
@@ -784,23 +525,21 @@ def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan,
     topics = pc.unique(source.to_table(columns=["topic"])["topic"]).to_pylist()
     # Biggest first (by the catalog's ledger count), so the last topic to finish is a small one.
     ledger_count = Counter(topic for topic, _, _ in plan.last_entries)
-    no_state = lambda table, rows: arrow_schema(SCHEMAS[table]).empty_table()  # noqa: E731
 
-    def topic_tables(topic: str) -> buffer_arrow.ScopeTables:
-        entries = source.to_table(filter=pc.field("topic") == topic)
-        last = entries.group_by(["ledger_id"], use_threads=False).aggregate([("entry_id", "max")])
-        ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["entry_id_max"].to_pylist())]
-        return buffer_arrow.scope_tables(entries, {ledger for _, ledger, _ in ledgers}, no_state, {}, ledgers)
+    def tables_of(entries: pa.Table) -> tuple[dict[str, pa.Table], dict[str, int]]:
+        decided = buffer_arrow.full_scope_tables(entries)
+        return buffer_arrow.wide_tables(decided, entries), decided.violations
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="buffer-topic") as pool:
-        parts = list(pool.map(topic_tables, sorted(topics, key=lambda t: (-ledger_count[t], t))))
+        parts = list(pool.map(lambda topic: tables_of(source.to_table(filter=pc.field("topic") == topic)),
+                              sorted(topics, key=lambda t: (-ledger_count[t], t))))
     if not parts:  # an empty log: the tables of no entries
-        parts = [buffer_arrow.scope_tables(arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table(), set(), no_state, {}, [])]
-    computed = {table: pa.concat_tables([part.tables[table] for part in parts]) for table in parts[0].tables}
-    violations = {v: sum(part.violations.get(v, 0) for part in parts) for v in VIOLATIONS}
+        parts = [tables_of(arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table())]
+    computed = {table: pa.concat_tables([tables[table] for tables, _ in parts]) for table in parts[0][0]}
+    violations = {v: sum(counts.get(v, 0) for _, counts in parts) for v in VIOLATIONS}
     _write(wh, computed, lambda: [], None, plan, after_write, lambda table, frame: True, True)
     return BufferRefresh(full=True, ledgers=sorted(set(computed[BUFFER_LEDGER_TXNS]["ledger_id"].to_pylist())),
-                         written_by="driver", computed_by="arrow", violations=violations)
+                         written_by="driver", computed_by="driver", violations=violations)
 
 
 def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFrame]], new_stable: Callable[[], list], old_stable, plan: ScopePlan,

@@ -49,11 +49,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property, reduce
 
-import pyarrow as pa
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
+from txn_engine.buffer_arrow import require_ledger_entries
 from txn_engine.delta_io import fits_driver
 from txn_engine.errors import TxnlakeError
 from txn_engine.schema import (
@@ -164,16 +164,6 @@ def blocks_fit_broadcast(blocks: DataFrame, max_bytes: int = BROADCAST_MAX_BYTES
 def conform(frame: DataFrame, schema: StructType) -> DataFrame:
     """Exactly the schema's columns, in its order and types."""
     return frame.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields])
-
-
-def require_ledger_entries(entries: DataFrame | pa.Table) -> None:
-    names = entries.column_names if isinstance(entries, pa.Table) else entries.columns
-    missing = [c for c in LEDGER_ENTRY_COLUMNS if c not in names]
-    if missing:
-        raise TxnlakeError(
-            f"the transaction buffer jobs need the ledger_entries columns; missing: {', '.join(missing)}. "
-            "Pass the ledger_entries table (txn_engine.schema.LEDGER_ENTRIES_SCHEMA), e.g. warehouse.read('ledger_entries')."
-        )
 
 
 # -- the shared facts ---------------------------------------------------------------------------

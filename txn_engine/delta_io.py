@@ -76,18 +76,9 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
 
 
 # A write of at most this many bytes goes through the driver (collected as Arrow, committed by
-# delta-rs): a Spark Delta write or DELETE costs 5-8 Spark jobs however small the table, which made
-# small runs mostly fixed cost. Bigger ones stay on Spark. An incremental buffer run this small is
-# also computed in the driver (`buffer_arrow`: no Spark job at all). Measured in entry bytes, the catalog's
-# `size_bytes` (the buffer: its scope's; the in_stable_prefix flip and retention: the whole log's),
-# never in Parquet file bytes: a 10M-entry log is 180 MB of files and ~2 GB of rows.
+# delta-rs): a Spark Delta write or DELETE costs several Spark jobs however small the table.
+# Measured in entry bytes, the catalog's `size_bytes`, never in Parquet file bytes.
 DRIVER_WRITE_MAX_BYTES = 256 * 1024 * 1024
-
-# A full buffer run of a log of at most this many entry bytes (the catalog's `size_bytes`) is
-# computed in Arrow in the driver, a topic per core (`buffer_incremental`): its peak is about 4x
-# the log (10M entries, 1.86 GiB: 7.4-7.8 GiB of Python at the run's peak), which beside Spark's
-# 8 GiB heap is what 24 GiB holds. Bigger logs run on Spark.
-DRIVER_FULL_RUN_MAX_BYTES = 2 * 1024 * 1024 * 1024
 
 
 # What a row of a narrow table (ids, positions, counts, a topic name; no payload) is taken to

@@ -16,6 +16,13 @@ _WAREHOUSE = "the warehouse root (TXNLAKE_WAREHOUSE)"
 _COLD_TIER = "the offload tier root (TXNLAKE_COLD_TIER, default <warehouse>/cold)"
 _LOCK_DIR = "the writer lock folder (TXNLAKE_LOCK_DIR, default <warehouse>/_locks)"
 
+# Where the transaction buffer's kernel runs (`TXNLAKE_COMPUTE`): chosen by size, or forced.
+COMPUTE_CHOICES = ("auto", "driver", "spark")
+# `auto`'s bounds, by the catalog's `size_bytes` of the entries a run reads: the driver holds the
+# narrow facts and the full rows it writes, Spark's heap beside it.
+DRIVER_SCOPE_MAX_BYTES = 256 * 1024 * 1024
+DRIVER_FULL_RUN_MAX_BYTES = 2 * 1024 * 1024 * 1024
+
 
 def is_local_uri(uri: str) -> bool:
     """True for a plain path or a `file:` URI: the ones a file lock on this machine can guard."""
@@ -66,6 +73,34 @@ class WarehouseSettings(BaseSettings):
         description="Folder of the per-table writer locks; default: <warehouse>/_locks for a "
         "local warehouse, ~/.cache/txnlake/locks otherwise.",
     )
+
+    compute: str = Field(
+        default="auto",
+        description="Where transaction-buffer runs compute: auto (the driver while the entries read fit the bounds "
+        "below, else Spark), driver, or spark.",
+    )
+    driver_scope_max_bytes: int = Field(
+        default=DRIVER_SCOPE_MAX_BYTES, description="auto: incremental runs over at most this many entry bytes run in the driver."
+    )
+    driver_full_run_max_bytes: int = Field(
+        default=DRIVER_FULL_RUN_MAX_BYTES, description="auto: full runs of a log of at most this many entry bytes run in the driver."
+    )
+
+    @field_validator("compute")
+    @classmethod
+    def _compute(cls, value: str) -> str:
+        if value.strip().lower() not in COMPUTE_CHOICES:
+            raise ConfigurationError(
+                f"TXNLAKE_COMPUTE is {value!r}; set it to one of {', '.join(COMPUTE_CHOICES)} (auto chooses by size)"
+            )
+        return value.strip().lower()
+
+    @field_validator("driver_scope_max_bytes", "driver_full_run_max_bytes")
+    @classmethod
+    def _bound(cls, value: int, info) -> int:
+        if value < 0:
+            raise ConfigurationError(f"TXNLAKE_{info.field_name.upper()} is {value}; set it to a byte count, 0 or more")
+        return value
 
     @field_validator("warehouse")
     @classmethod

@@ -39,9 +39,9 @@ from txn_engine.buffer_jobs import (
     has_txn,
     is_marker,
     position_lt,
-    require_ledger_entries,
     stable_from_facts,
 )
+from txn_engine.buffer_arrow import require_ledger_entries
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledgers import recorded_deleted_ledgers
 from txn_engine.locks import table_lock
