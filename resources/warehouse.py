@@ -16,11 +16,15 @@ class WarehouseResource(ConfigurableResource):
     root: str | None = Field(default=None, description="Warehouse root; default TXNLAKE_WAREHOUSE or ./warehouse.")
     cold_tier: str | None = Field(default=None, description="Offload tier root; default <root>/cold.")
     lock_dir: str | None = Field(default=None, description="Writer lock folder.")
+    compute: str | None = Field(
+        default=None, description="Where transaction-buffer runs compute: auto, driver or spark; default TXNLAKE_COMPUTE or auto."
+    )
 
     def settings(self) -> WarehouseSettings:
         overrides = {
             k: v
-            for k, v in {"warehouse": self.root, "cold_tier": self.cold_tier, "lock_dir": self.lock_dir}.items()
+            for k, v in {"warehouse": self.root, "cold_tier": self.cold_tier, "lock_dir": self.lock_dir,
+                         "compute": self.compute}.items()
             if v is not None
         }
         return WarehouseSettings(**overrides)

@@ -91,6 +91,26 @@ def test_dagster_resource_config_wins_over_environment(monkeypatch, tmp_path):
     assert WarehouseResource(root=str(tmp_path / "cfg")).settings().root == str(tmp_path / "cfg")
 
 
+def test_compute_comes_from_resource_then_environment_then_auto(monkeypatch, tmp_path):
+    monkeypatch.delenv("TXNLAKE_COMPUTE", raising=False)
+    assert WarehouseSettings(warehouse=str(tmp_path)).compute == "auto"
+    monkeypatch.setenv("TXNLAKE_COMPUTE", "Spark")
+    monkeypatch.setenv("TXNLAKE_DRIVER_SCOPE_MAX_BYTES", "1024")
+    settings = WarehouseResource(root=str(tmp_path)).settings()
+    assert (settings.compute, settings.driver_scope_max_bytes) == ("spark", 1024)
+    assert WarehouseResource(root=str(tmp_path), compute="driver").settings().compute == "driver"
+
+
+@pytest.mark.parametrize("variable, value, error", [
+    ("TXNLAKE_COMPUTE", "gpu", r"TXNLAKE_COMPUTE is 'gpu'; set it to one of auto, driver, spark"),
+    ("TXNLAKE_DRIVER_FULL_RUN_MAX_BYTES", "-1", r"TXNLAKE_DRIVER_FULL_RUN_MAX_BYTES is -1; set it to a byte count"),
+])
+def test_a_bad_compute_setting_is_a_clear_error(monkeypatch, tmp_path, variable, value, error):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigurationError, match=error):
+        WarehouseSettings(warehouse=str(tmp_path))
+
+
 def test_spark_conf_layers(monkeypatch):
     monkeypatch.setenv("TXNLAKE_SPARK_MASTER", "spark://cluster:7077")
     monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.executor.memory=16g, spark.sql.shuffle.partitions=64")

@@ -165,11 +165,12 @@ class SparkDecisions:
         self.frame.unpersist()
 
 
-def decide_full(entries: DataFrame) -> SparkDecisions:
-    """The kernel over every topic of `entries` (ledger_entries rows), with no state."""
+def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
+    """The kernel over every topic of `entries` (ledger_entries rows), with no state; `persist`:
+    computed once for all the tables read (else each read of a table runs it again)."""
     narrow = entries.select(*NARROW_COLUMNS)
     decided = narrow.groupBy("topic").applyInArrow(_full_run, OUTPUT_SCHEMA)
-    return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
+    return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 
 
 def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: DataFrame, scope: Iterable[int],

@@ -9,7 +9,7 @@ The same design as the reference `txn_engine.snapshots` (the oracle; docs/snapsh
   one commit, then runs OPTIMIZE and VACUUM.
 - `recover_buffer_states` rebuilds `recovered_buffer_state`: the live snapshot by its index
   (`live_snapshots`), its aborts minus those of DELETED ledgers, plus a replay of the entries after
-  its max read position through the buffer jobs (`buffer_jobs.classify_entries`), with the
+  its max read position through the buffer kernel (`buffer_spark.decide_full`), with the
   snapshot's state carried in (see `_replay_input`). Topics without a usable snapshot are replayed
   in full, in the same Spark job. The asset recovers in the driver instead
   (`txn_engine.snapshot_recovery`, the same rules without Spark jobs); this Spark plan is what it
@@ -30,18 +30,9 @@ from typing import Callable, Iterator, Sequence
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_jobs import (
-    NARROW_COLUMNS,
-    TXN_KEY,
-    aborted_from_facts,
-    classify_entries,
-    conform,
-    has_txn,
-    is_marker,
-    position_lt,
-    stable_from_facts,
-)
-from txn_engine.buffer_arrow import require_ledger_entries
+from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
+from txn_engine.buffer_jobs import conform, has_txn, is_marker, position_lt
+from txn_engine.buffer_spark import decide_full
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledgers import recorded_deleted_ledgers
 from txn_engine.locks import table_lock
@@ -60,7 +51,7 @@ from txn_engine.schema import (
 from txn_engine.snapshots import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
 
-# Columns the buffer jobs' facts never read (buffer_jobs.NARROW_COLUMNS are the ones they do).
+# Columns the buffer kernel never reads (NARROW_COLUMNS are the ones it does).
 UNUSED_BY_REPLAY = tuple(c for c in LEDGER_ENTRY_COLUMNS if c not in NARROW_COLUMNS)
 
 # The writer's steps, in order; `after_commit` hooks receive them (tests inject crashes there).
@@ -476,12 +467,12 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
     replay = _replay_input(spark, entries, positions, snap.select("topic", "_kept"), deleted).select(
         *[F.lit(None).cast(f.dataType).alias(f.name) if f.name in UNUSED_BY_REPLAY else F.col(f.name)
           for f in LEDGER_ENTRIES_SCHEMA.fields], "_anchor").localCheckpoint()
-    facts = classify_entries(replay)
+    decided = decide_full(replay, persist=False)
     replayed = replay.where(~F.col("_anchor")).groupBy("topic").agg(F.count("*").alias("replayed_entries"))
     reasons = index.select("topic", F.col("fallback_reason").alias("_reason"))
     joined = (
-        stable_from_facts(facts)
-        .join(abort_sets(aborted_from_facts(facts)).withColumnRenamed("aborts", "_new"), "topic", "left")
+        decided.table(STABLE_POSITIONS)
+        .join(abort_sets(decided.table(ABORTED_TXNS)).withColumnRenamed("aborts", "_new"), "topic", "left")
         .join(snap.select("topic", "snapshot_id", "_kept"), "topic", "left")
         .join(reasons, "topic", "left")
         .join(replayed, "topic", "left")
@@ -614,10 +605,9 @@ def _anchors(spark, entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> 
 
 def full_replay_states(entries: DataFrame) -> DataFrame:
     """The truth recovery must equal: per topic, the max read position and the abort set of a
-    replay of all of `ledger_entries` (the buffer jobs), in the recovered table's shape."""
-    facts = classify_entries(entries)
-    stable = stable_from_facts(facts)
-    return stable.join(abort_sets(aborted_from_facts(facts)), "topic", "left").select(
+    replay of all of `ledger_entries` (the buffer kernel), in the recovered table's shape."""
+    decided = decide_full(entries, persist=False)
+    return decided.table(STABLE_POSITIONS).join(abort_sets(decided.table(ABORTED_TXNS)), "topic", "left").select(
         "topic", "max_read_ledger_id", "max_read_entry_id", F.coalesce(F.col("aborts"), _empty_aborts()).alias("aborts"))
 
 
