@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 
 from txn_engine import buffer_jobs
 from txn_engine.delta_io import arrow_schema
+from txn_engine.log_types import EntryType, Violation
 from txn_engine.positions import Position, position_before
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -46,7 +47,6 @@ from txn_engine.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import EntryType, Violation
 
 # The Spark functions' keys, as the lists pyarrow takes.
 TXN_KEY = list(buffer_jobs.TXN_KEY)

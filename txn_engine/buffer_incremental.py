@@ -124,6 +124,7 @@ from txn_engine.delta_io import (
 )
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.locks import table_lock
+from txn_engine.log_types import Violation
 from txn_engine.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
@@ -149,7 +150,6 @@ from txn_engine.schema import (
     TXN_MARKERS,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import Violation
 from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
