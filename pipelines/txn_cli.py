@@ -7,8 +7,8 @@ import getpass
 from datetime import datetime, timedelta, timezone
 
 from pipelines.cli import non_negative
+from txn_engine.log_types import TxnId
 from txn_engine.schema import TXN_STATES
-from txn_engine.transaction_buffer import TxnId
 
 # The states `txn list` shows: txn_log's, and those of transactions known only from the ledgers
 # (txn_engine.txn_admin.ledger_state).

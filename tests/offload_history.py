@@ -51,8 +51,9 @@ def derive_buffer_tables(warehouse) -> None:
 
 def oracle_read(rows, topic):
     """The reference read-committed output of `topic` from the beginning: (ledger_id, entry_id) in order."""
+    from txn_engine.log_types import LogEntry
     from txn_engine.positions import EARLIEST
-    from txn_engine.transaction_buffer import LogEntry, replay
+    from txn_engine.transaction_buffer import replay
 
     entries = [LogEntry.from_row({**r, "payload": None, "publish_time": None}) for r in rows]
     buffers = replay(entries)

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
+from txn_engine.log_types import LogEntry, TxnId
 from txn_engine.positions import Position
 from txn_engine.snapshots import Crash, SnapshotConfig, SnapshotLog, SnapshotSegment
-from txn_engine.transaction_buffer import LogEntry, TxnId, TopicTransactionBuffer
+from txn_engine.transaction_buffer import TopicTransactionBuffer
 
 OPS = ("data", "data", "txn_data", "txn_data", "txn_data", "commit", "abort", "abort", "roll",
        "snapshot", "snapshot", "delete", "delete", "compact")

@@ -33,6 +33,7 @@ from txn_engine.buffer_incremental import STATE_TABLES, buffer_lock, ledger_inve
 from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.ledgers import derive_ledger_catalog
 from txn_engine.locks import TableLockTimeout
+from txn_engine.log_types import LogEntry
 from txn_engine.retention import delete_ledger_rows
 from txn_engine.sql_models import discover_models, run_model
 from txn_engine.schema import (
@@ -46,7 +47,6 @@ from txn_engine.schema import (
     TXN_MARKERS,
 )
 from txn_engine.settings import WarehouseSettings
-from txn_engine.transaction_buffer import LogEntry
 from txn_engine.warehouse import Warehouse
 
 TABLES = (TXN_MARKERS, ABORTED_TXNS, STABLE_POSITIONS, COMMITTED_ENTRIES)

@@ -29,6 +29,7 @@ from txn_engine.buffer_jobs import (
     violations_by_topic,
 )
 from txn_engine.errors import TxnlakeError
+from txn_engine.log_types import LogEntry, TxnId, Violation
 from txn_engine.positions import Position
 from txn_engine.schema import (
     ABORTED_TXNS_SCHEMA,
@@ -38,7 +39,7 @@ from txn_engine.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import LogEntry, TxnId, Violation, replay
+from txn_engine.transaction_buffer import replay
 
 T1, T2, T3 = TxnId(0, 1), TxnId(0, 2), TxnId(0, 3)
 EPOCH = datetime(2026, 1, 1)

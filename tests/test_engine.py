@@ -11,6 +11,7 @@ import pytest
 
 from txn_engine.engine import GC_FIRST_GENERATION_THRESHOLD, Engine
 from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
+from txn_engine.log_types import TxnId
 from txn_engine.positions import Position
 from txn_engine.producer import RECENT_SENDS_KEPT, SendAccumulator
 from txn_engine.schema import (
@@ -24,7 +25,6 @@ from txn_engine.schema import (
     TXN_LOG_SCHEMA,
 )
 from txn_engine.settings import WarehouseSettings
-from txn_engine.transaction_buffer import TxnId
 from txn_engine.txn_admin import operator_abort
 from txn_engine.txn_errors import (
     EngineLockedError,

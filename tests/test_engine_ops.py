@@ -15,8 +15,8 @@ from tests.rows import entry, write_jsonl
 from txn_engine.delta_io import DeltaTables
 from txn_engine.engine import Engine
 from txn_engine.ingest import ingest_files
+from txn_engine.log_types import TxnId
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, TXN_LOG, TXN_LOG_SCHEMA
-from txn_engine.transaction_buffer import TxnId
 from txn_engine.txn_admin import TxnAdmin
 
 

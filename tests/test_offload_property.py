@@ -17,12 +17,13 @@ from txn_engine.buffer_jobs import NARROW_COLUMNS, classify_entries
 from txn_engine.consumer import Consumer
 from txn_engine.delta_io import DeltaTables, ledger_predicate, overwrite_small
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.log_types import LogEntry
 from txn_engine.offload import FROM_BUFFER_STATE, classify_for_offload, decided_txns, manifest_counts, offload_ledgers, row_hash
 from txn_engine.positions import EARLIEST
 from txn_engine.reader import TopicReader
 from txn_engine.retention import RetentionPolicy, apply_retention
 from txn_engine.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, LEDGERS
-from txn_engine.transaction_buffer import LogEntry, replay
+from txn_engine.transaction_buffer import replay
 
 # One step: (starts a new ledger?, what to append, which open transaction / earlier send it picks).
 STEP = st.tuples(st.booleans(), st.sampled_from(["plain", "retry", "data", "data", "commit", "abort"]), st.integers(0, 5))

@@ -29,6 +29,7 @@ from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
 from txn_engine.reader import TopicReader
 from pipelines.cli import main
+from txn_engine.log_types import LogEntry, TxnId
 from txn_engine.retention import (
     AFTER_STATE,
     RetentionPolicy,
@@ -56,7 +57,7 @@ from txn_engine.schema import (
 )
 from txn_engine.snapshot_jobs import full_replay_states, recovery_mismatches, write_snapshots
 from txn_engine.snapshot_recovery import recover_to_warehouse
-from txn_engine.transaction_buffer import LogEntry, TopicTransactionBuffer, TxnId, replay
+from txn_engine.transaction_buffer import TopicTransactionBuffer, replay
 
 # Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
 EXTRA = [entry("t", 4, 2, txn=G, payload=b"g-data"), entry("t", 4, 3, "ABORT", txn=G),

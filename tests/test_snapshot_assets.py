@@ -19,6 +19,7 @@ from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
 from tests.test_buffer_jobs import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
+from txn_engine.log_types import LogEntry
 from txn_engine.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
@@ -31,7 +32,6 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_STATE,
 )
 from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_lock, snapshot_states
-from txn_engine.transaction_buffer import LogEntry
 
 BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
     AssetSelection.groups("snapshots")

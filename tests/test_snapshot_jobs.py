@@ -17,6 +17,7 @@ from tests.test_buffer_jobs import frame
 from txn_engine.buffer_jobs import aborted_txns, stable_positions
 from txn_engine.ledgers import record_ledger_states
 from txn_engine.locks import TableLockTimeout
+from txn_engine.log_types import LogEntry, TxnId
 from txn_engine.positions import Position
 from txn_engine.schema import (
     LEDGER_ENTRIES,
@@ -53,7 +54,6 @@ from txn_engine.snapshots import (
     recover,
     split_snapshot,
 )
-from txn_engine.transaction_buffer import LogEntry, TxnId
 
 SMALL = SnapshotConfig(max_aborts_per_segment=2)
 

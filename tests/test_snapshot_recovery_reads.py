@@ -13,10 +13,10 @@ from pyspark.sql import functions as F
 from tests.test_buffer_jobs import frame
 from tests.test_snapshot_jobs import assert_all_recover, snapshot
 from txn_engine.ledgers import record_ledger_states
+from txn_engine.log_types import LogEntry
 from txn_engine.schema import LEDGER_ENTRIES
 from txn_engine.snapshot_jobs import entries_after_snapshots, entries_without_snapshot
 from txn_engine.snapshot_recovery import files_from_ledger
-from txn_engine.transaction_buffer import LogEntry
 
 LEDGER_SIZE = 4
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 from tests.snapshot_histories import full_replay, op_lists, replay_topic, simulate
+from txn_engine.log_types import BufferState, LogEntry, TxnId
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.snapshots import (
     Crash,
@@ -22,7 +23,6 @@ from txn_engine.snapshots import (
     segment_bytes,
     split_snapshot,
 )
-from txn_engine.transaction_buffer import BufferState, LogEntry, TxnId
 
 T = "orders-partition-0"
 

@@ -11,13 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from txn_engine.log_types import BufferState, LogEntry, TxnId, TxnState
 from txn_engine.positions import EARLIEST, Position, position_before
 from txn_engine.transaction_buffer import (
-    BufferState,
-    LogEntry,
     TopicTransactionBuffer,
-    TxnId,
-    TxnState,
     commit_order,
     ledger_order,
     replay,

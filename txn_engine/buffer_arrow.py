@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from txn_engine.delta_io import arrow_schema
 from txn_engine.errors import TxnlakeError
+from txn_engine.log_types import EntryType, Violation
 from txn_engine.positions import Position, position_before
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -43,7 +44,6 @@ from txn_engine.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import EntryType, Violation
 
 TXN_KEY = ["topic", "txn_most_bits", "txn_least_bits"]
 SEQUENCE_KEY = ["topic", "producer_id", "sequence_id"]

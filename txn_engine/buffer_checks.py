@@ -28,8 +28,8 @@ from pyspark.sql import functions as F
 from txn_engine.buffer_arrow import POSITIONS, SEQUENCE_KEY, TXN_KEY, ledger_filter
 from txn_engine.buffer_incremental import ALL_LEDGERS, RUN_LEDGERS_KEY
 from txn_engine.delta_io import DeltaTables, scan
+from txn_engine.log_types import EntryType
 from txn_engine.schema import BUFFER_LEDGER_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
-from txn_engine.transaction_buffer import EntryType
 from txn_engine.warehouse import Warehouse
 
 

@@ -56,6 +56,7 @@ from pyspark.sql.types import StructType
 from txn_engine.buffer_arrow import require_ledger_entries
 from txn_engine.delta_io import fits_driver
 from txn_engine.errors import TxnlakeError
+from txn_engine.log_types import EntryType, Violation
 from txn_engine.schema import (
     ABORTED_TXNS_SCHEMA,
     COMMITTED_ENTRIES_SCHEMA,
@@ -64,7 +65,6 @@ from txn_engine.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.transaction_buffer import EntryType, Violation
 
 TXN_KEY = ("topic", "txn_most_bits", "txn_least_bits")
 LEDGER_TXN_KEY = ("topic", "ledger_id", "txn_most_bits", "txn_least_bits")

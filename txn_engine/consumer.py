@@ -37,6 +37,7 @@ from txn_engine.buffer_incremental import state_ledger_counts
 from txn_engine.delta_io import DeltaTables, arrow_schema, scan
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import ledger_ranges
+from txn_engine.log_types import LogEntry, TxnId, TxnMarker
 from txn_engine.offload import offloaded_ledgers
 from txn_engine.positions import EARLIEST, Position, checked_position
 from txn_engine.schema import (
@@ -51,7 +52,7 @@ from txn_engine.schema import (
     OFFLOADED_ENTRIES,
     OFFLOADED_ENTRIES_SCHEMA,
 )
-from txn_engine.transaction_buffer import LogEntry, TopicTransactionBuffer, TxnId, TxnMarker
+from txn_engine.transaction_buffer import TopicTransactionBuffer
 
 
 class ConsumerStateError(TxnlakeError):

@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import LedgerWriter, PendingEntries, WriteRequest
+from txn_engine.log_types import EntryType, TxnId
 from txn_engine.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
@@ -30,7 +31,6 @@ from txn_engine.schema import (
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
-from txn_engine.transaction_buffer import EntryType, TxnId
 from txn_engine.txn_errors import (
     InvalidTxnStateError, ProducerFencedError, TransactionAbortedError, UnknownTransactionError,
 )

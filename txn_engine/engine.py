@@ -49,13 +49,13 @@ from txn_engine.consumer import Consumer
 from txn_engine.coordinator import TransactionCoordinator
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import LedgerWriter, PendingEntries, RolloverPolicy, WriteRequest
+from txn_engine.log_types import EntryType, TxnId
 from txn_engine.positions import EARLIEST, Position
 from txn_engine.producer import (
     IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_key, _check_topic, _payload,
 )
 from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
 from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
-from txn_engine.transaction_buffer import EntryType, TxnId
 from txn_engine.txn_errors import EngineLockedError, EngineStoppedError
 from txn_engine.warehouse import Warehouse
 

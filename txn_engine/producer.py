@@ -22,9 +22,9 @@ import pyarrow.compute as pc
 from txn_engine.coordinator import ProducerIdentity
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledger_writer import PendingEntries, WriteRequest
+from txn_engine.log_types import EntryType, TxnId
 from txn_engine.positions import Position, checked_position
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
-from txn_engine.transaction_buffer import EntryType, TxnId
 from txn_engine.txn_errors import InvalidTxnStateError, OutOfOrderSequenceError, TransactionAbortedError
 
 if TYPE_CHECKING:

@@ -31,6 +31,7 @@ from pyspark.sql import functions as F
 
 from txn_engine.buffer_jobs import NARROW_COLUMNS
 from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
+from txn_engine.log_types import EntryType, LogEntry, TxnId
 from txn_engine.positions import Position
 from txn_engine.schema import (
     ABORT_STRUCT,
@@ -44,7 +45,7 @@ from txn_engine.schema import (
 )
 from txn_engine.snapshot_jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshots import END_SUFFIX, Source
-from txn_engine.transaction_buffer import EntryType, LogEntry, TopicTransactionBuffer, TxnId
+from txn_engine.transaction_buffer import TopicTransactionBuffer
 from txn_engine.warehouse import Warehouse
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)

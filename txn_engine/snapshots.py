@@ -33,8 +33,9 @@ from enum import StrEnum
 from typing import Callable, Iterable, Sequence
 
 from txn_engine.errors import TxnlakeError
+from txn_engine.log_types import BufferState, LogEntry, TxnId
 from txn_engine.positions import EARLIEST, Position
-from txn_engine.transaction_buffer import BufferState, LogEntry, TopicTransactionBuffer, TxnId
+from txn_engine.transaction_buffer import TopicTransactionBuffer
 
 Abort = tuple[TxnId, Position]
 

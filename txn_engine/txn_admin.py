@@ -14,9 +14,10 @@ from datetime import datetime, timedelta
 
 from txn_engine.coordinator import TxnStatus
 from txn_engine.delta_io import DeltaTables
+from txn_engine.log_types import EntryType, LogEntry, TxnId, TxnState
 from txn_engine.positions import Position
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, TXN_LOG, TXN_LOG_SCHEMA
-from txn_engine.transaction_buffer import EntryType, LogEntry, TopicTransactionBuffer, TxnId, TxnState, replay
+from txn_engine.transaction_buffer import TopicTransactionBuffer, replay
 from txn_engine.txn_errors import InvalidTxnStateError, UnknownTransactionError
 
 
