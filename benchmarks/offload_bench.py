@@ -21,7 +21,7 @@ from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
 
 def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     from resources.spark import get_spark
-    from txn_engine.buffer_jobs import classify_entries, stable_from_facts
+    from txn_engine.buffer_spark import facts_of_log
     from txn_engine.generate import generate_ledger_file
     from txn_engine.ingest import ingest_files
     from txn_engine.ledgers import current_ledger_catalog, derive_ledger_catalog
@@ -46,7 +46,7 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
         refresh_buffer(wh, ledger_inventory(wh), full=True)
     with timed("plan: the eligible ledgers (not part of either figure)"):
         entries_df = wh.read(LEDGER_ENTRIES)
-        catalog = ledger_eligibility(current_ledger_catalog(wh), stable_from_facts(classify_entries(entries_df)))
+        catalog = ledger_eligibility(current_ledger_catalog(wh), facts_of_log(entries_df).stable)
         eligible = [(r.topic, r.ledger_id) for r in catalog.where("eligible").select("topic", "ledger_id").collect()]
     ledgers_total = catalog.count()
     print(f"  {len(eligible)} of {ledgers_total} ledgers eligible")

@@ -15,7 +15,8 @@ from pyspark.sql import functions as F
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
-from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES, classify_entries, stable_from_facts
+from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES
+from txn_engine.buffer_spark import facts_of_log
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (
     AFTER_ENTRIES,
@@ -123,7 +124,7 @@ def test_eligibility_filtered_copy_and_manifest(history, tmp_path, broadcast_max
 def test_decided_transactions_past_the_broadcast_bound_are_joined_by_shuffle(history, spark):
     warehouse = history
     entries = warehouse.read(LEDGER_ENTRIES)
-    facts = classify_entries(entries, persist=True)
+    facts = facts_of_log(entries)
     try:
         below = classify_for_offload(entries, decided_txns(facts.txns), facts.duplicates)
         past = classify_for_offload(entries, decided_txns(facts.txns, broadcast_max_bytes=0), facts.duplicates)
@@ -136,8 +137,7 @@ def test_decided_transactions_past_the_broadcast_bound_are_joined_by_shuffle(his
         assert len(by_shuffle) == len(HISTORY)
         assert set(by_shuffle.values()) >= {"KEPT", "ABORTED", "MARKER"}
     finally:
-        for frame in facts.cached_frames():
-            frame.unpersist()
+        facts.unpersist()
 
 
 def test_checksum_is_the_exact_sum_of_the_row_hashes(spark):
@@ -214,20 +214,20 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     catalog = current_ledger_catalog(warehouse, entries)
     state_version = _state_version(warehouse, catalog)
     assert state_version == warehouse.version(BUFFER_LEDGER_TXNS)  # the state describes this log
-    from_state = _facts_from_state(warehouse, entries, state_version)
+    from_state = _facts_from_state(warehouse, state_version)
     # The buffer recorded the versions its run left of the tables the offload reads: they are the
     # tables of this log (the kept rows come from committed_entries, eligibility from stable_positions).
     recorded = _recorded_tables(warehouse, state_version)
     assert rows_of(recorded.committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
     assert recorded.versions == {t: warehouse.version(t) for t in (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)}
-    assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(stable_from_facts(classify_entries(entries)))
-    from_log = classify_entries(entries)
+    from_log = facts_of_log(entries)
+    assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(from_log.stable)
     # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
     assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
     assert rows_of(from_state.duplicates) == rows_of(from_log.duplicates)
-    assert rows_of(stable_from_facts(from_state)) == rows_of(stable_from_facts(from_log))
-    for frame in from_state.cached_frames():
-        frame.unpersist()
+    assert rows_of(from_state.stable) == rows_of(from_log.stable)
+    for facts in (from_state, from_log):
+        facts.unpersist()
 
     by_state = offload_ledgers(warehouse)
     assert (by_state.facts_from, by_state.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)

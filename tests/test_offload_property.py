@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
-from txn_engine.buffer_jobs import NARROW_COLUMNS, classify_entries
+from txn_engine.buffer_arrow import NARROW_COLUMNS
+from txn_engine.buffer_spark import facts_of_log
 from txn_engine.consumer import Consumer
 from txn_engine.delta_io import DeltaTables, ledger_predicate, overwrite_small
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
@@ -73,7 +74,7 @@ COUNTED = ("first_entry_id", "last_entry_id", "entries_before", "entries_kept", 
 def manifest_by_classification(warehouse, ledgers) -> dict:
     """The manifest's counts as the log path computes them: every row of the ledgers classified."""
     entries = warehouse.read(LEDGER_ENTRIES)
-    facts = classify_entries(entries)
+    facts = facts_of_log(entries)
     sized = entries.where(ledger_predicate(ledgers)).select(*NARROW_COLUMNS, entry_size_bytes().alias("_bytes"),
                                                            row_hash().alias("_hash"))
     classified = classify_for_offload(sized, decided_txns(facts.txns), facts.duplicates)

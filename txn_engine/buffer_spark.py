@@ -173,6 +173,55 @@ def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 
 
+@dataclass
+class TopicFacts:
+    """What a read of the log is classified by, per topic: the decided transactions (`txns`: the
+    first marker's outcome and position, `marker_ledger_id`, `marker_entry_id`), the retried
+    duplicates' positions and the stable positions."""
+
+    decided: SparkDecisions
+
+    @property
+    def txns(self) -> DataFrame:
+        return self.decided.table(TXN_MARKERS).withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
+            "entry_id", "marker_entry_id")
+
+    @property
+    def stable(self) -> DataFrame:
+        return self.decided.table(STABLE_POSITIONS)
+
+    @property
+    def duplicates(self) -> DataFrame:
+        return self.decided.table(BUFFER_DUPLICATES)
+
+    def unpersist(self) -> None:
+        self.decided.unpersist()
+
+
+def facts_of_log(entries: DataFrame) -> TopicFacts:
+    """`TopicFacts` of `entries` (ledger_entries rows): the kernel's full run."""
+    return TopicFacts(decide_full(entries))
+
+
+def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
+    topic = key[0].as_py()
+    txns = buffer_arrow.txns_from_ledger_txns(buffer_arrow.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
+    last = ledger_txns.group_by(["ledger_id"], use_threads=False).aggregate([("last_entry_id", "max")])
+    ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["last_entry_id_max"].to_pylist())]
+    return _as_union({TXN_MARKERS: buffer_arrow.markers_from_txns(txns),
+                      STABLE_POSITIONS: buffer_arrow.stable_positions(txns, ledgers)}, OUTPUT_SCHEMA, topic)
+
+
+def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> TopicFacts:
+    """`TopicFacts` folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
+    topic) and the `buffer_duplicates` of the same log."""
+    folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
+    duplicate_rows = duplicates.select(F.col("topic"), F.lit(BUFFER_DUPLICATES).alias("kind"), *[
+        (F.struct(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]) if name == BUFFER_DUPLICATES
+         else F.lit(None).cast(_nullable(schema))).alias(name) for name, schema in DECISION_SCHEMAS.items()])
+    return TopicFacts(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
+
+
 def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: DataFrame, scope: Iterable[int],
                  old_stable: Mapping[str, int], ledgers: Iterable[tuple[str, int, int]], spared: Iterable[tuple[str, int]],
                  retained: Iterable[tuple[str, int]]) -> SparkDecisions:

@@ -13,9 +13,9 @@ Everything is decided with the buffer's own rules, from one consistent view of t
   that state: a few narrow tables instead of the whole log (Pulsar's offloader likewise asks
   the topic's transaction buffer, it does not re-read the topic);
 - otherwise (no state yet, a ledger the buffer has not processed, a ledger retention removed)
-  they are classified from the pinned `ledger_entries` itself (`buffer_jobs.classify_entries`).
-Both ways give the same facts (tested): the state is by definition the per-ledger step of
-`classify_entries`. The contract tables are read only at the versions the run that wrote the
+  they are classified from the pinned `ledger_entries` itself (`buffer_spark.facts_of_log`).
+Both ways run the buffer kernel and give the same facts (tested): the state is by definition its
+per-ledger step. The contract tables are read only at the versions the run that wrote the
 state recorded (below), never as they are now: they may be newer than the log version read, or
 half rewritten by a buffer run in progress.
 
@@ -75,19 +75,9 @@ from txn_engine.buffer_incremental import (
     state_is_current,
     state_ledger_counts,
 )
-from txn_engine.buffer_jobs import (
-    BROADCAST_MAX_BYTES,
-    NARROW_COLUMNS,
-    TXN_KEY,
-    BufferFacts,
-    classify_entries,
-    has_txn,
-    is_data,
-    position_le,
-    position_lt,
-    stable_from_facts,
-    txns_from_ledger_txns,
-)
+from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY
+from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
+from txn_engine.buffer_spark import TopicFacts, facts_of_log, facts_of_state
 from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
@@ -193,7 +183,7 @@ def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
 
 
 def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
-    """The decided transactions of `txns` (`BufferFacts.txns`), marked for broadcast while they fit
+    """The decided transactions of `txns` (`TopicFacts.txns`), marked for broadcast while they fit
     `broadcast_max_bytes` (a count: cheap on the cached facts), else left to a join by shuffle."""
     decided = txns.where(F.col("outcome").isNotNull())
     return F.broadcast(decided) if fits_driver(decided, broadcast_max_bytes, DECIDED_TXN_BROADCAST_BYTES) else decided
@@ -202,7 +192,7 @@ def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES
 def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFrame) -> DataFrame:
     """`entries` with a `disposition` column: KEPT or the reason it is dropped. Pure.
 
-    `txns` and `duplicates` are the buffer's facts (`BufferFacts.txns`, `.duplicates`) of the
+    `txns` and `duplicates` are the buffer's facts (`TopicFacts.txns`, `.duplicates`) of the
     whole topic history, so the rules are exactly those of `committed_entries`.
     """
     decided = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
@@ -398,8 +388,8 @@ def offload_ledgers(
     if recorded is not None:
         stable = wh.spark.createDataFrame(recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
     else:
-        facts = classify_entries(entries, persist=True) if state_version is None else _facts_from_state(wh, entries, state_version)
-        stable = stable_from_facts(facts).cache()
+        facts = facts_of_log(entries) if state_version is None else _facts_from_state(wh, state_version)
+        stable = facts.stable
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
@@ -446,8 +436,8 @@ def offload_ledgers(
             result.manifest = _copy_ledgers(copy, stable_at, crash_hook, lap, clean_before)
         return result
     finally:
-        for frame in [*(facts.cached_frames() if facts else []), stable]:
-            frame.unpersist()
+        if facts is not None:
+            facts.unpersist()
 
 
 def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
@@ -511,16 +501,12 @@ def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables 
     )
 
 
-def _facts_from_state(wh: Warehouse, entries: DataFrame, state_version: int) -> BufferFacts:
-    """The buffer's facts of the pinned log, folded from its state at `state_version`. Narrow frames, cached."""
+def _facts_from_state(wh: Warehouse, state_version: int) -> TopicFacts:
+    """The buffer's facts of the pinned log, folded by the kernel from its state at `state_version`."""
     # buffer_ledger_txns is pinned first: a buffer run writes it last, so a run in progress can only
     # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
     # duplicates in either version.
-    ledger_txns = _pinned(wh, BUFFER_LEDGER_TXNS, state_version).cache()
-    duplicates = _as_of_now(wh, BUFFER_DUPLICATES).cache()
-    txns = txns_from_ledger_txns(ledger_txns).cache()
-    ledgers = ledger_txns.groupBy("topic", "ledger_id").agg(F.max("last_entry_id").alias("last_entry_id"))
-    return BufferFacts(entries, duplicates, ledger_txns, ledgers, txns)
+    return facts_of_state(_pinned(wh, BUFFER_LEDGER_TXNS, state_version), _as_of_now(wh, BUFFER_DUPLICATES))
 
 
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
@@ -549,7 +535,7 @@ class _Copy:
     entries: DataFrame  # the pinned ledger_entries
     targets: list[LedgerKey]
     ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
-    facts: BufferFacts | None
+    facts: TopicFacts | None
     recorded: RecordedBufferTables | None
     broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
 
