@@ -520,7 +520,7 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
     kept_data = narrow.filter(pc.and_(is_data(narrow), pa.array(~duplicate)))
     # Rows of older ledgers that a commit in the scope makes visible.
     pending_committed = pending.join(committed.select(TXN_KEY), TXN_KEY, join_type="left semi")
-    data = pa.concat_tables([kept_data, pending_committed.select(kept_data.column_names)])
+    data = pa.concat_tables([kept_data, pending_committed.select(kept_data.column_names)], promote_options="default")
     return ScopeTables(
         tables={
             TXN_MARKERS: in_scope(markers_from_txns(txns), "ledger_id"),
