@@ -4,7 +4,7 @@
 `aborted_txns`, `committed_entries`) from per-ledger facts it persists in four internal tables,
 so that processing newly closed ledgers reads those ledgers' entries, not the history:
 
-- `buffer_ledger_txns`: `buffer_jobs.by_ledger_txn`, one row per (topic, ledger, transaction).
+- `buffer_ledger_txns`: `buffer_arrow.by_ledger_txn`, one row per (topic, ledger, transaction).
   Every other fact is a fold of these rows (`txns_from_ledger_txns`, the stable position), so
   a run never rereads old entries; it refolds only the transactions its ledgers touch and those
   that may still be ongoing (`txns_to_refold`), and takes the ledgers' last entries from the
@@ -13,7 +13,7 @@ so that processing newly closed ledgers reads those ledgers' entries, not the hi
   of its kept DATA entries (pairs first seen in that ledger), usually one row per producer and
   ledger; over the ledgers before L they hold exactly the pairs seen before L. An entry
   is a duplicate when an earlier ledger's run holds its pair, or an earlier entry of the same
-  recomputed ledgers has it (`buffer_jobs.duplicate_entries`): the brief's rule, exactly.
+  recomputed ledgers has it (`buffer_arrow.duplicate_positions`): the brief's rule, exactly.
 - `buffer_duplicates`: the duplicate positions (dropped wherever rows are read back).
 - `buffer_pending_entries`: full rows of kept transactional DATA whose transaction has no marker
   in the same ledger: the only old rows a later commit marker can make visible.
@@ -43,16 +43,12 @@ rewritten; `in_stable_prefix` of older rows is updated where the stable position
 Without state (first run) or with `full=True`, the scope is everything and every table is
 overwritten: the same functions, so a full recompute and the incremental path agree.
 
-Who computes and writes: an incremental run whose scope holds at most `DRIVER_WRITE_MAX_BYTES` of
-entries (every run over a few new ledgers) reads its entries and the state rows it needs by
-delta-rs, computes in Arrow (`buffer_arrow`, the same rules as the Spark functions) and commits
-through delta-rs: no Spark job. On Spark that run was 40-odd jobs of fixed cost, 10-13 s for one
-50,000-entry ledger on a 10M-entry log; in Arrow it is under a second. A full run of a log of
-at most `DRIVER_FULL_RUN_MAX_BYTES` is computed in Arrow too, a topic per core, and written by
-delta-rs (`_refresh_full_in_driver`): at 10M entries about 1.3-1.5x a plain Spark copy of the
-log, where the same run on Spark is about 3x (docs/benchmarks.md). A bigger scope or log runs on
-Spark, and writes its narrow tables (`NARROW_TABLES`) through the driver when they fit it, the
-tables of entry rows by Spark. The same predicates and write order every way.
+Who computes and writes: the kernel (`buffer_arrow.scope_tables`, every rule once) runs in the
+driver (entries and state rows read by delta-rs, a thread per topic for a full run, every table
+committed through delta-rs) or on Spark (`buffer_spark`: a group per topic, the full rows joined
+with its decisions), as `compute` says (`TXNLAKE_COMPUTE`; `auto` chooses by the catalog's
+`size_bytes`). On Spark the narrow tables (`NARROW_TABLES`) still go through the driver when they
+fit it. The same write order every way.
 
 Write order, for crash safety: contract tables first (`stable_positions` after the
 `in_stable_prefix` update that it records), `buffer_ledger_txns` last. It is the
