@@ -51,7 +51,8 @@ from pipelines.buffer_sensors import range_tags, retry_after_s
 from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_jobs import TXN_KEY, has_txn, is_data, is_marker, position_lt
+from txn_engine.buffer_arrow import TXN_KEY
+from txn_engine.spark_columns import has_txn, is_data, is_marker, position_lt
 from txn_engine.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
 from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
 from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention

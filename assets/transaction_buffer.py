@@ -1,8 +1,8 @@
 """The transaction buffer's tables: txn_markers, stable_positions, aborted_txns, committed_entries.
 
 One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four from
-`ledger_entries` (the Spark jobs of `txn_engine.buffer_jobs`, driven incrementally by
-`txn_engine.buffer_incremental`): a run over a ledger range recomputes those ledgers plus
+`ledger_entries` (the buffer kernel, `txn_engine.buffer_arrow`, in the driver or on Spark,
+driven incrementally by `txn_engine.buffer_incremental`): a run over a ledger range recomputes those ledgers plus
 whatever the catalog shows changed (the OPEN ledgers that grew, ledgers deleted by retention),
 so the tables always describe everything in `ledger_entries`. A run over every partition is a
 full recompute. Backfills run as one run per range (`BackfillPolicy.single_run`). The run

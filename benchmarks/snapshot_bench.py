@@ -70,7 +70,7 @@ def run(aborts: int, workdir: Path) -> dict:
     from pyspark.sql import functions as F
 
     from resources.spark import get_spark
-    from txn_engine.buffer_jobs import compute_buffer_tables
+    from txn_engine.buffer_spark import compute_buffer_tables
     from txn_engine.schema import ABORTED_TXNS, LEDGER_ENTRIES, RECOVERED_BUFFER_STATE, STABLE_POSITIONS
     from txn_engine.settings import WarehouseSettings
     from txn_engine.snapshot_jobs import (

@@ -37,7 +37,7 @@ COMMIT_D = [entry("t", 4, 1, "COMMIT", txn=D)]
 
 def derive_buffer_tables(warehouse) -> None:
     """Write the four transaction-buffer tables from the current ledger_entries (what `txnlake run` does)."""
-    from txn_engine.buffer_jobs import compute_buffer_tables
+    from txn_engine.buffer_spark import compute_buffer_tables
     from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 
     tables = compute_buffer_tables(warehouse.read(LEDGER_ENTRIES))

@@ -11,7 +11,7 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from resources.warehouse import WarehouseResource
 from tests.dagster_runs import backdate_sensor_requests, derive_all, sensor_tick
 from tests.rows import entry, write_jsonl
-from txn_engine.buffer_jobs import compute_buffer_tables
+from txn_engine.buffer_spark import compute_buffer_tables
 from txn_engine.ingest import ingest_files
 from txn_engine.positions import ledger_partition_key
 from txn_engine.schema import (

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.test_buffer_jobs import (
+from tests.buffer_histories import (
     VIOLATIONS,
     T1,
     T2,

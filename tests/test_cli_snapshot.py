@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pipelines.cli import main
-from tests.test_buffer_jobs import frame
+from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
-from txn_engine.buffer_jobs import aborted_txns, stable_positions
+from txn_engine.buffer_spark import compute_buffer_tables
 from txn_engine.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
@@ -26,8 +26,10 @@ def test_snapshot_command_errors_then_snapshots(warehouse, warehouse_root, capsy
     entries = aborted_history("busy", 5)
     log = frame(warehouse.spark, entries)
     warehouse.overwrite(LEDGER_ENTRIES, log)
-    warehouse.overwrite(STABLE_POSITIONS, stable_positions(log))
-    warehouse.overwrite(ABORTED_TXNS, aborted_txns(log))
+    tables = compute_buffer_tables(log)
+    warehouse.overwrite(STABLE_POSITIONS, tables.stable_positions)
+    warehouse.overwrite(ABORTED_TXNS, tables.aborted_txns)
+    tables.unpersist()
     # A segment bound that cannot hold an abort: refused before anything is written.
     assert main(["snapshot", "--max-aborts-per-segment", "0"]) == 2
     assert "error: max_aborts_per_segment must be at least 1, got 0" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyspark.sql import functions as F
 
 from tests.rows import entry, write_jsonl
-from txn_engine.buffer_jobs import committed_entries
+from txn_engine.buffer_spark import compute_buffer_tables
 from txn_engine.engine import Engine
 from txn_engine.ingest import ingest_files
 from txn_engine.ledger_writer import RolloverPolicy
@@ -35,7 +35,7 @@ def test_engine_appends_to_a_spark_table_and_spark_reads_the_engine(warehouse, t
     assert stored.count() == 6
     engine_ledgers = {r.ledger_id for r in stored.filter("ledger_id <> 40").select("ledger_id").collect()}
     assert engine_ledgers and min(engine_ledgers) > 40  # never collides with ingested ledgers
-    spark_view = committed_entries(stored).filter("in_stable_prefix").orderBy("ledger_id", "entry_id")
+    spark_view = compute_buffer_tables(stored).committed_entries.filter("in_stable_prefix").orderBy("ledger_id", "entry_id")
     assert [(Position(r.ledger_id, r.entry_id), bytes(r.payload)) for r in spark_view.collect()] == consumed
     assert [p for _, p in consumed] == [b"x", b"x", b"engine-1", b"engine-2"]
     # The coordinator's tables, nested columns included, read in Spark SQL as well.

@@ -8,14 +8,14 @@ import pytest
 
 from tests.offload_history import COMMIT_D, HISTORY
 from tests.rows import entry, write_jsonl
-from tests.test_buffer_jobs import planned_joins
+from tests.buffer_histories import planned_joins
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
-from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES
+from txn_engine.spark_columns import BROADCAST_MAX_BYTES
 from txn_engine.buffer_spark import facts_of_log
 from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.offload import (

@@ -19,7 +19,7 @@ from tests.rows import entry, write_jsonl
 from tests.test_offload_property import STEP, build_history
 from txn_engine import buffer_arrow
 from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
-from txn_engine.buffer_jobs import compute_buffer_tables
+from txn_engine.buffer_spark import compute_buffer_tables
 from txn_engine.consumer import Consumer, ConsumerStateError, resumed_buffer
 from txn_engine.delta_io import DeltaTables, arrow_schema, overwrite_small
 from txn_engine.engine import Engine

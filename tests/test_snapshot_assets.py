@@ -17,7 +17,7 @@ from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, defs
 from pipelines.partitions import LEDGER_PARTITIONS
 from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
-from tests.test_buffer_jobs import frame
+from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
 from txn_engine.log_types import LogEntry
 from txn_engine.schema import (

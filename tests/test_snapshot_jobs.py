@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from pyspark.sql import functions as F
 
 from tests.snapshot_histories import op_lists, replay_topic, simulate
-from tests.test_buffer_jobs import frame
-from txn_engine.buffer_jobs import aborted_txns, stable_positions
+from tests.buffer_histories import frame
+from txn_engine.buffer_spark import compute_buffer_tables
 from txn_engine.ledgers import record_ledger_states
 from txn_engine.locks import TableLockTimeout
 from txn_engine.log_types import LogEntry, TxnId
@@ -70,9 +70,12 @@ def aborted_history(topic: str, n: int, ledger_size: int = 4, first_ledger: int 
 
 def snapshot(warehouse, entries: list[LogEntry], topics, config=SMALL, **kwargs):
     """Write a snapshot of `topics` as of `entries` (a prefix of the log)."""
-    prefix = frame(warehouse.spark, entries)
-    return write_snapshots(warehouse, topics, config, aborted=aborted_txns(prefix), stable=stable_positions(prefix),
-                           **kwargs)
+    tables = compute_buffer_tables(frame(warehouse.spark, entries))
+    try:
+        return write_snapshots(warehouse, topics, config, aborted=tables.aborted_txns, stable=tables.stable_positions,
+                               **kwargs)
+    finally:
+        tables.unpersist()
 
 
 def store_log(warehouse, entries: list[LogEntry], deleted: dict[str, set[int]] | None = None) -> None:

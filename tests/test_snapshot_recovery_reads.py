@@ -10,7 +10,7 @@ from urllib.parse import urlparse
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from tests.test_buffer_jobs import frame
+from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import assert_all_recover, snapshot
 from txn_engine.ledgers import record_ledger_states
 from txn_engine.log_types import LogEntry

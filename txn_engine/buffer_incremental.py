@@ -89,7 +89,6 @@ from txn_engine.delta_io import (
 )
 from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.locks import table_lock
-from txn_engine.log_types import Violation
 from txn_engine.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,

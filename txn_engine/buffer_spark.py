@@ -23,7 +23,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
 
 from txn_engine import buffer_arrow
-from txn_engine.buffer_arrow import NARROW_COLUMNS, PENDING, TXN_KEY, VIOLATIONS, VISIBLE, ScopeTables
+from txn_engine.buffer_arrow import NARROW_COLUMNS, PENDING, TXN_KEY, VIOLATIONS, VISIBLE, ScopeTables, require_ledger_entries
 from txn_engine.delta_io import arrow_schema
 from txn_engine.schema import (
     ABORTED_TXNS,
@@ -79,6 +79,13 @@ def _union_schema(schemas: Mapping[str, StructType]) -> StructType:
 
 OUTPUT_SCHEMA = _union_schema(DECISION_SCHEMAS)
 STATE_UNION_SCHEMA = _union_schema(STATE_SCHEMAS)
+
+
+def _union_rows(frame: DataFrame, name: str, schemas: Mapping[str, StructType]) -> DataFrame:
+    """The rows of `frame` (table `name`'s columns and `topic`) in the union shape of `schemas`."""
+    return frame.select(F.col("topic"), F.lit(name).alias("kind"), *[
+        (F.struct(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]) if n == name
+         else F.lit(None).cast(_nullable(schema))).alias(n) for n, schema in schemas.items()])
 
 
 def _as_union(parts: Mapping[str, pa.Table], schema: StructType, topic: str) -> pa.Table:
@@ -216,10 +223,46 @@ def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> TopicFacts:
     """`TopicFacts` folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
     topic) and the `buffer_duplicates` of the same log."""
     folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
-    duplicate_rows = duplicates.select(F.col("topic"), F.lit(BUFFER_DUPLICATES).alias("kind"), *[
-        (F.struct(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]) if name == BUFFER_DUPLICATES
-         else F.lit(None).cast(_nullable(schema))).alias(name) for name, schema in DECISION_SCHEMAS.items()])
+    duplicate_rows = _union_rows(duplicates, BUFFER_DUPLICATES, DECISION_SCHEMAS)
     return TopicFacts(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
+
+
+@dataclass
+class BufferTables:
+    """The four contract tables of a whole log, by the kernel on Spark (what a full run writes),
+    computed once when first read; `unpersist()` when done."""
+
+    decided: SparkDecisions
+    entries: DataFrame
+
+    @property
+    def txn_markers(self) -> DataFrame:
+        return self.decided.table(TXN_MARKERS)
+
+    @property
+    def aborted_txns(self) -> DataFrame:
+        return self.decided.table(ABORTED_TXNS)
+
+    @property
+    def stable_positions(self) -> DataFrame:
+        return self.decided.table(STABLE_POSITIONS)
+
+    @property
+    def committed_entries(self) -> DataFrame:
+        return wide_tables(self.decided, self.entries)[COMMITTED_ENTRIES]
+
+    @property
+    def violations(self) -> dict[str, int]:
+        return self.decided.violations()
+
+    def unpersist(self) -> None:
+        self.decided.unpersist()
+
+
+def compute_buffer_tables(entries: DataFrame) -> BufferTables:
+    """`BufferTables` of `entries` (ledger_entries rows)."""
+    require_ledger_entries(entries)
+    return BufferTables(decide_full(entries), entries)
 
 
 def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: DataFrame, scope: Iterable[int],
@@ -236,13 +279,8 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
         by_topic.setdefault(topic, []).append((topic, ledger, last))
     run = _ScopeRun(frozenset(int(i) for i in scope), dict(old_stable), by_topic, tuple(spared), tuple(retained))
 
-    def as_union(frame: DataFrame, name: str) -> DataFrame:
-        return frame.select(F.col("topic"), F.lit(name).alias("kind"), *[
-            (F.struct(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]) if n == name else F.lit(None).cast(_nullable(schema)))
-            .alias(n) for n, schema in STATE_SCHEMAS.items()])
-
-    rows = [as_union(state[name].select(*STATE_SCHEMAS[name].fieldNames()), name) for name in STATE_SCHEMAS]
-    rows.append(as_union(topics.select("topic").distinct(), _TOPIC_ONLY))
+    rows = [_union_rows(state[name], name, STATE_SCHEMAS) for name in STATE_SCHEMAS]
+    rows.append(_union_rows(topics.select("topic").distinct(), _TOPIC_ONLY, STATE_SCHEMAS))
     state_rows = rows[0]
     for frame in rows[1:]:
         state_rows = state_rows.unionByName(frame)

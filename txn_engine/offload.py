@@ -76,7 +76,7 @@ from txn_engine.buffer_incremental import (
     state_ledger_counts,
 )
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY
-from txn_engine.buffer_jobs import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
+from txn_engine.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
 from txn_engine.buffer_spark import TopicFacts, facts_of_log, facts_of_state
 from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
 from txn_engine.errors import TxnlakeError
@@ -269,7 +269,7 @@ def drops_from_state(ledger_txns: pa.Table, first_markers: pa.Table) -> pa.Table
     (ledger, transaction) of the ledgers offloaded, which a Spark join and aggregate took 1.6-4.9 s
     to do (docs/benchmarks.md).
 
-    `ledger_txns`: the state's rows (`buffer_jobs.by_ledger_txn`) of those ledgers;
+    `ledger_txns`: the state's rows (`buffer_arrow.by_ledger_txn`) of those ledgers;
     `first_markers`: `txn_markers` rows (a transaction's first marker: outcome and position).
     They are `classify_for_offload`'s rules summed per group: a group's data not retried is
     entry_count - marker_count - duplicate_count, and it is all ABORTED (an aborted transaction),

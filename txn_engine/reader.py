@@ -40,7 +40,7 @@ from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, TimestampType
 
-from txn_engine.buffer_jobs import has_sequence, position_le, position_lt
+from txn_engine.spark_columns import has_sequence, position_le, position_lt
 from txn_engine import buffer_arrow
 from txn_engine.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, scan
 from txn_engine.errors import TableMissingError, TxnlakeError

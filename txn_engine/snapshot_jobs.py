@@ -31,7 +31,7 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
-from txn_engine.buffer_jobs import conform, has_txn, is_marker, position_lt
+from txn_engine.spark_columns import conform, has_txn, is_marker, position_lt
 from txn_engine.buffer_spark import decide_full
 from txn_engine.delta_io import DeltaTables
 from txn_engine.ledgers import recorded_deleted_ledgers

@@ -29,7 +29,7 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_jobs import NARROW_COLUMNS
+from txn_engine.buffer_arrow import NARROW_COLUMNS
 from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
 from txn_engine.log_types import EntryType, LogEntry, TxnId
 from txn_engine.positions import Position
