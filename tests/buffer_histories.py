@@ -27,11 +27,11 @@ VIOLATIONS = tuple(v.value for v in Violation)
 
 
 def e(ledger: int, entry: int, kind: str = "DATA", txn: TxnId | None = None, producer: int | None = None,
-      seq: int | None = None, topic: str = "t") -> LogEntry:
+      seq: int | None = None, topic: str = "t", epoch: int | None = 0) -> LogEntry:
     """One entry; DATA gets a payload unique to its position in the topic, so mixed-up rows show."""
     most, least = (None, None) if txn is None else txn
     data = kind == "DATA"
-    return LogEntry(topic, ledger, entry, kind, most, least, producer, None if producer is None else 0, seq,
+    return LogEntry(topic, ledger, entry, kind, most, least, producer, None if producer is None else epoch, seq,
                     EPOCH + timedelta(seconds=entry), f"k{entry}" if data else None,
                     f"payload {ledger}:{entry}".encode() if data else None)
 
@@ -119,6 +119,10 @@ SCENARIOS: dict[str, list[LogEntry]] = {
                           e(1, 4, "ABORT", T2), e(1, 5, txn=T2)],
     "duplicate-marker": [e(1, 0, txn=T1), e(1, 1, "COMMIT", T1), e(1, 2, "ABORT", T1), e(1, 3, "COMMIT", T1)],
     "marker-without-data": [e(1, 0, "ABORT", T1), e(1, 1, "COMMIT", T2)],
+    # a bumped epoch restarts the sequence: the same id again is new; a null epoch is one value
+    "epoch-restart": [e(1, 0, producer=4, seq=0), e(1, 1, producer=4, seq=1), e(1, 2, producer=4, seq=0, epoch=1),
+                      e(2, 0, producer=4, seq=1, epoch=1), e(2, 1, producer=4, seq=1, epoch=1),
+                      e(2, 2, producer=4, seq=0, epoch=None), e(2, 3, producer=4, seq=0, epoch=None)],
     # the same producer and sequence on another topic is not a duplicate
     "sequence-topic-a": [e(1, 0, producer=9, seq=1)],
     "sequence-topic-b": [e(1, 0, producer=9, seq=1), e(2, 0, txn=T1, producer=9, seq=2)],
@@ -173,16 +177,17 @@ def topic_history(draw, topic: str) -> list[LogEntry]:
         st.sampled_from(TXNS),
         st.sampled_from([None, 1, 2]),  # producer, shared by topics
         st.sampled_from([0, 1, 2, 3, 4, 63, 64, 127]),  # sequence ids, some at the edges of buckets of 64
+        st.sampled_from([0] * 4 + [1, None]),  # producer epoch: bumped now and then, or not known
         st.integers(0, 5),  # 0 starts a new ledger
         st.sampled_from([1] * 8 + [2, 62]),  # entry step: a rare gap, a jump across a block of 64 entries
     ), min_size=3, max_size=25))
     ledger, entry, out = draw(st.sampled_from([0, 1, 3, BIG])), 0, []
-    for kind, txn, producer, seq, roll, step in steps:
+    for kind, txn, producer, seq, epoch, roll, step in steps:
         if kind != "DATA" and txn is None:
             txn = T1  # ingest rejects markers without a transaction id
         if roll == 0 and out:
             ledger, entry = ledger + draw(st.integers(1, 2)), 0
-        out.append(e(ledger, entry, kind, txn, producer, None if producer is None else seq, topic=topic))
+        out.append(e(ledger, entry, kind, txn, producer, None if producer is None else seq, topic=topic, epoch=epoch))
         entry += step
     return out
 

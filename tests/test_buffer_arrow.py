@@ -16,11 +16,11 @@ from txn_engine.schema import BUFFER_SEQUENCE_RANGES_SCHEMA
 
 def narrow(rows: list[dict]) -> pa.Table:
     defaults = {"topic": "t", "entry_type": "DATA", "txn_most_bits": None, "txn_least_bits": None,
-                "producer_id": None, "sequence_id": None}
+                "producer_id": None, "producer_epoch": 0, "sequence_id": None}
     table = pa.Table.from_pylist([{**defaults, **r} for r in rows], schema=pa.schema([
         ("topic", pa.string()), ("ledger_id", pa.int64()), ("entry_id", pa.int64()), ("entry_type", pa.string()),
         ("txn_most_bits", pa.int64()), ("txn_least_bits", pa.int64()), ("producer_id", pa.int64()),
-        ("sequence_id", pa.int64())]))
+        ("producer_epoch", pa.int32()), ("sequence_id", pa.int64())]))
     return buffer_arrow.with_row_index(table)
 
 
@@ -32,10 +32,10 @@ def test_an_earlier_ledgers_sequence_run_is_found_even_when_runs_overlap_and_lat
     # Producer 7's runs: [0, 10] in ledger 1, [3, 4] in ledger 2 (overlapping: a state that should
     # not happen, still answered exactly), [20, 30] in ledger 9 (after the entries: not earlier).
     ranges = pa.Table.from_pylist([
-        {"topic": "t", "producer_id": 7, "ledger_id": 1, "first_sequence_id": 0, "last_sequence_id": 10},
-        {"topic": "t", "producer_id": 7, "ledger_id": 2, "first_sequence_id": 3, "last_sequence_id": 4},
-        {"topic": "t", "producer_id": 7, "ledger_id": 9, "first_sequence_id": 20, "last_sequence_id": 30},
-        {"topic": "u", "producer_id": 7, "ledger_id": 1, "first_sequence_id": 40, "last_sequence_id": 40},
+        {"topic": "t", "producer_id": 7, "producer_epoch": 0, "ledger_id": 1, "first_sequence_id": 0, "last_sequence_id": 10},
+        {"topic": "t", "producer_id": 7, "producer_epoch": 0, "ledger_id": 2, "first_sequence_id": 3, "last_sequence_id": 4},
+        {"topic": "t", "producer_id": 7, "producer_epoch": 0, "ledger_id": 9, "first_sequence_id": 20, "last_sequence_id": 30},
+        {"topic": "u", "producer_id": 7, "producer_epoch": 0, "ledger_id": 1, "first_sequence_id": 40, "last_sequence_id": 40},
     ], schema=arrow_schema(BUFFER_SEQUENCE_RANGES_SCHEMA))
     entries = narrow([
         {"ledger_id": 5, "entry_id": 0, "producer_id": 7, "sequence_id": 5},  # inside [0, 10] behind [3, 4]: held

@@ -138,6 +138,7 @@ def test_stable_positions_across_ledgers(scenarios, topic, max_read, last, ongoi
     ("data-after-marker", Counter(data_after_marker=2)),
     ("duplicate-marker", Counter(duplicate_marker=2)),
     ("marker-without-data", Counter(marker_without_data=2)),
+    ("epoch-restart", Counter(duplicate=2)),
     ("sequence-topic-a", Counter()),
     ("sequence-topic-b", Counter()),
 ])

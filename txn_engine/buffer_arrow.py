@@ -46,12 +46,14 @@ from txn_engine.schema import (
 )
 
 TXN_KEY = ["topic", "txn_most_bits", "txn_least_bits"]
-SEQUENCE_KEY = ["topic", "producer_id", "sequence_id"]
+# A null epoch is one value (a key with nulls is grouped, never joined, so nulls compare equal).
+SEQUENCE_KEY = ["topic", "producer_id", "producer_epoch", "sequence_id"]
+PRODUCER_KEY = ["topic", "producer_id", "producer_epoch"]
 POSITIONS = list(POSITION_COLUMNS)
 VIOLATIONS = tuple(v.value for v in Violation)
 # The only columns the rules read; the rest (payload above all) is selected by the caller.
 NARROW_COLUMNS = ("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits",
-                  "producer_id", "sequence_id")
+                  "producer_id", "producer_epoch", "sequence_id")
 # The kernel's decisions on rows, beside the tables it writes whole.
 VISIBLE = "visible"  # per committed row: `_row`, its position and VISIBLE_COLUMNS
 PENDING = "pending"  # per row of the scope to keep in `buffer_pending_entries`: `_row` and its position
@@ -169,27 +171,27 @@ def duplicate_positions(narrow: pa.Table) -> pa.Table:
 
 
 def duplicates_of_earlier_ledgers(narrow: pa.Table, earlier_ranges: pa.Table) -> pa.Table:
-    """Positions of DATA entries whose pair a run of an earlier ledger of the topic holds.
+    """Positions of DATA entries whose key a run of an earlier ledger of the topic holds.
 
-    Per scope ledger L and (topic, producer): the runs of ledgers before L sorted by their first
+    Per scope ledger L and (topic, producer, epoch): the runs of ledgers before L sorted by their first
     sequence id, with the running maximum of their last; an id is held when the last run
     starting at or before it reaches it (exact even if runs overlapped).
     """
-    entries = sequenced(narrow).select(["topic", "producer_id", "sequence_id", "ledger_id", "entry_id"])
+    entries = sequenced(narrow).select(SEQUENCE_KEY + ["ledger_id", "entry_id"])
     hits = []
     for ledger in pc.unique(entries["ledger_id"]).to_pylist():
         here = entries.filter(pc.equal(entries["ledger_id"], ledger))
         ranges = earlier_ranges.filter(pc.less(earlier_ranges["ledger_id"], ledger))
         if ranges.num_rows == 0:
             continue
-        ranges = ranges.sort_by([("topic", "ascending"), ("producer_id", "ascending"), ("first_sequence_id", "ascending")])
-        here = here.sort_by([("topic", "ascending"), ("producer_id", "ascending")])
-        range_groups = _groups(ranges, ["topic", "producer_id"])
+        ranges = ranges.sort_by([(c, "ascending") for c in PRODUCER_KEY] + [("first_sequence_id", "ascending")])
+        here = here.sort_by([(c, "ascending") for c in PRODUCER_KEY])
+        range_groups = _groups(ranges, PRODUCER_KEY)
         firsts = ranges["first_sequence_id"].to_numpy()
         lasts = ranges["last_sequence_id"].to_numpy()
         sequence_ids = here["sequence_id"].to_numpy()
         held = np.zeros(here.num_rows, dtype=bool)
-        for key, (lo, hi) in _groups(here, ["topic", "producer_id"]).items():
+        for key, (lo, hi) in _groups(here, PRODUCER_KEY).items():
             bounds = range_groups.get(key)
             if bounds is None:
                 continue
@@ -405,8 +407,8 @@ def pending_entries(narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Tab
 
 
 def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
-    """Per (topic, producer_id, ledger_id): the runs of consecutive sequence ids of its kept DATA."""
-    group = ["topic", "producer_id", "ledger_id"]
+    """Per (topic, producer_id, producer_epoch, ledger_id): the runs of consecutive sequence ids of its kept DATA."""
+    group = PRODUCER_KEY + ["ledger_id"]
     kept = sequenced(narrow.filter(pa.array(~duplicate[narrow["_row"].to_numpy()])))
     ordered = grouped(kept.select(group + ["sequence_id"]), group, ["sequence_id"])
     starts = group_starts(ordered, group)

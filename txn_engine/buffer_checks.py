@@ -3,7 +3,7 @@
 Three invariants (the assets in `assets/transaction_buffer.py` report them):
 - the stable position of a topic never moves backwards (`stable_moves_back`);
 - `committed_entries` holds no entry of a transaction without a COMMIT marker, no position twice,
-  no (topic, producer_id, sequence_id) twice and no marker (`committed_once`);
+  no (topic, producer_id, producer_epoch, sequence_id) twice and no marker (`committed_once`);
 - every `txn_markers` row matches a marker entry of `ledger_entries`, and a transaction has one
   outcome on all its topics (`markers_match`).
 
@@ -78,6 +78,12 @@ def _isin(column: str, values: pa.Array | pa.ChunkedArray) -> pc.Expression:
     return pc.field(column).isin(pc.unique(values))
 
 
+def _null_epoch_as_value(table: pa.Table) -> pa.Table:
+    """`producer_epoch` with null as a value a join matches (an epoch is an int32; this is not one)."""
+    epoch = pc.fill_null(table["producer_epoch"].cast(pa.int64()), -(1 << 40))
+    return table.set_column(table.schema.get_field_index("producer_epoch"), "producer_epoch", epoch)
+
+
 def _repeated(table: pa.Table, keys: list[str]) -> pa.Table:
     """The key values occurring more than once in `table`."""
     counts = table.group_by(keys, use_threads=False).aggregate([([], "count_all")])
@@ -91,15 +97,17 @@ def committed_once(wh: Warehouse) -> CommittedOnce:
     tables = DeltaTables(wh)
     committed = tables.dataset(COMMITTED_ENTRIES)
     rows = committed.to_table(filter=_isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
-                              columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id"])
+                              columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id",
+                                                   "producer_epoch", "sequence_id"])
     txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
     commits = scan(tables.dataset(TXN_MARKERS), _isin("txn_least_bits", txn_rows["txn_least_bits"]), TXN_KEY,
                    on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
     # The keys that span ledgers: every row of the table that shares one with the run's rows.
     positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
     sequenced = rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"])))
-    sequences = committed.to_table(filter=_isin("producer_id", sequenced["producer_id"]) & pc.field("sequence_id").is_valid(),
-                                   columns=SEQUENCE_KEY)
+    sequences = _null_epoch_as_value(committed.to_table(
+        filter=_isin("producer_id", sequenced["producer_id"]) & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
+    sequenced = _null_epoch_as_value(sequenced)
     return CommittedOnce(
         entries_of_uncommitted_txns=txn_rows.select(TXN_KEY).join(commits, TXN_KEY, join_type="left anti").num_rows,
         duplicate_positions=_repeated(positions, POSITIONS).join(rows.select(POSITIONS), POSITIONS, join_type="left semi").num_rows,

@@ -269,7 +269,7 @@ def inventory_of(catalog: DataFrame) -> DataFrame:
 
 
 def _has_state(wh: Warehouse) -> bool:
-    """Every table exists, and `buffer_ledger_txns` has every column this code writes (a state
+    """Every table exists, and the state tables have every column this code writes (a state
     written before a column was added is rebuilt by a full run, as a first run builds it)."""
     return all(wh.exists(t) for t in (*STATE_TABLES, TXN_MARKERS, ABORTED_TXNS, COMMITTED_ENTRIES, STABLE_POSITIONS)) and (
         state_is_current(wh)
@@ -277,9 +277,13 @@ def _has_state(wh: Warehouse) -> bool:
 
 
 def state_is_current(wh: Warehouse) -> bool:
-    """Whether `buffer_ledger_txns` exists with every column of its schema."""
-    columns = DeltaTables(wh).columns(BUFFER_LEDGER_TXNS)
-    return columns is not None and set(BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()) <= set(columns)
+    """Whether `buffer_ledger_txns` and `buffer_sequence_ranges` exist with every column of their schemas."""
+    tables = DeltaTables(wh)
+    for table, schema in ((BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA), (BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA)):
+        columns = tables.columns(table)
+        if columns is None or not set(schema.fieldNames()) <= set(columns):
+            return False
+    return True
 
 
 class ScopePlan(NamedTuple):

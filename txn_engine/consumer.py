@@ -157,12 +157,12 @@ def resumed_buffer(topic: str, gone: dict[int, dict], hot: pa.Table, ledger_txns
                for t in txns if t["marker_count"] == 0}
     # The sequence ids seen in the deleted ledgers, of the stored entries that repeat one: the rule
     # the buffer's incremental runs apply to earlier ledgers' runs.
-    sequences: set[tuple[int, int]] = set()
+    sequences: set[tuple[int, int | None, int]] = set()
     if ranges.num_rows:
-        narrow = hot.select(["topic", "ledger_id", "entry_id", "entry_type", "producer_id", "sequence_id"])
+        narrow = hot.select(["topic", "ledger_id", "entry_id", "entry_type", "producer_id", "producer_epoch", "sequence_id"])
         repeated = buffer_arrow.duplicates_of_earlier_ledgers(narrow, ranges)
         again = narrow.join(repeated, ["topic", "ledger_id", "entry_id"], join_type="left semi")
-        sequences = set(zip(again["producer_id"].to_pylist(), again["sequence_id"].to_pylist()))
+        sequences = set(zip(*(again[c].to_pylist() for c in buffer_arrow.SEQUENCE_KEY[1:])))
     lasts = [Position(ledger, gone[ledger]["last_entry_id"]) for ledger in ids]
     return TopicTransactionBuffer.restored(topic, (), lasts[-1], closed=closed, ongoing=ongoing, sequences=sequences,
                                           ledger_lasts=lasts)

@@ -32,6 +32,7 @@ without a catalog, run on Spark (`TopicReader.frame`). Both apply the same rules
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import reduce
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
@@ -62,6 +63,10 @@ from txn_engine.schema import (
 from txn_engine.warehouse import Warehouse
 
 HOT, COLD = "hot", "cold"
+
+
+# A retried send's key, as the buffer de-duplicates by it (`buffer_arrow.SEQUENCE_KEY`, within a topic).
+SENT_KEY = buffer_arrow.SEQUENCE_KEY[1:]
 
 
 def views_behind_log(warehouse: Warehouse) -> dict[str, Position]:
@@ -152,9 +157,11 @@ class TopicReader:
         sent_cold = (
             wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
             .where((F.col("topic") == topic) & F.col("ledger_id").isin(cold_ids) & has_sequence())
-            .select("producer_id", "sequence_id")
+            .select(*[F.col(c).alias(f"_sent_{c}") for c in SENT_KEY])
         )
-        hot = hot.join(sent_cold, ["producer_id", "sequence_id"], "left_anti")
+        # Null-safe: a null epoch is one value of the key.
+        hot = hot.join(sent_cold, reduce(lambda a, b: a & b, [F.col(c).eqNullSafe(F.col(f"_sent_{c}")) for c in SENT_KEY]),
+                       "left_anti")
         return cold.unionByName(hot)
 
     def read(self, topic: str, from_position: Position = EARLIEST, max_entries: int | None = None) -> ReadBatch:
@@ -201,23 +208,22 @@ class TopicReader:
             return rows.filter(pc.and_(at_or_after, buffer_arrow.position_le(ledger, entry, stable.ledger_id, stable.entry_id)))
 
         cold = pa.table({})
-        sent_cold: set[tuple[int, int]] = set()
+        sent_cold: set[tuple] = set()
         if len(cold_ids) and wh.exists(OFFLOADED_ENTRIES):
             tier = tables.dataset(OFFLOADED_ENTRIES)
             cold = readable(scan(tier, reached & buffer_arrow.ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
             cold = cold.append_column("tier", pa.array([COLD] * cold.num_rows, pa.string()))
             # Once retention deleted a ledger, the hot view no longer knows that a retried send
             # repeats an entry now only in the tier; the tier's copy is the first, keep it (as `frame`).
-            sent = scan(tier, buffer_arrow.ledger_filter(cold_ids), ["producer_id", "sequence_id"], mine, ["topic"])
+            sent = scan(tier, buffer_arrow.ledger_filter(cold_ids), SENT_KEY, mine, ["topic"])
             sent = sent.filter(buffer_arrow.has_sequence(sent))
-            sent_cold = set(zip(sent["producer_id"].to_pylist(), sent["sequence_id"].to_pylist()))
+            sent_cold = set(zip(*(sent[c].to_pylist() for c in SENT_KEY)))
         hot = readable(scan(tables.dataset(COMMITTED_ENTRIES), reached, LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
         if len(cold_ids):
             hot = hot.filter(pc.invert(pc.is_in(hot["ledger_id"], cold_ids)))
         if sent_cold:
-            hot = hot.filter(pa.array([key not in sent_cold  # a key with a null is never in it
-                                       for key in zip(hot["producer_id"].to_pylist(), hot["sequence_id"].to_pylist())],
-                                      pa.bool_()))
+            hot = hot.filter(pa.array([key not in sent_cold  # a key without producer or sequence is never in it
+                                       for key in zip(*(hot[c].to_pylist() for c in SENT_KEY))], pa.bool_()))
         hot = hot.append_column("tier", pa.array([HOT] * hot.num_rows, pa.string()))
 
         def first(rows: pa.Table) -> list[dict]:  # each tier's first max_entries, ordered in Arrow

@@ -285,12 +285,13 @@ BUFFER_LEDGER_TXNS_SCHEMA = StructType(
     ]
 )
 
-# The exact set of (producer_id, sequence_id) pairs of DATA entries per (topic, ledger), as runs
-# of consecutive sequence ids: what de-duplication of later ledgers checks against.
+# The exact set of (producer_id, producer_epoch, sequence_id) keys of DATA entries per (topic,
+# ledger), as runs of consecutive sequence ids: what de-duplication of later ledgers checks against.
 BUFFER_SEQUENCE_RANGES_SCHEMA = StructType(
     [
         StructField("topic", StringType(), False),
         StructField("producer_id", LongType(), False),
+        StructField("producer_epoch", IntegerType(), True),
         StructField("ledger_id", LongType(), False),
         StructField("first_sequence_id", LongType(), False),
         StructField("last_sequence_id", LongType(), False),

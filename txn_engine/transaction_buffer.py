@@ -44,7 +44,7 @@ class TopicTransactionBuffer:
         self.last_position: Position | None = None
         self.violations: Counter[str] = Counter()
         self._ledger_last: dict[int, Position] = {}  # last entry seen of each (non-empty) ledger
-        self._seen_sequences: set[tuple[int, int]] = set()  # (producer_id, sequence_id) of DATA
+        self._seen_sequences: set[tuple[int, int | None, int]] = set()  # (producer_id, producer_epoch, sequence_id) of DATA
         self._ongoing: dict[TxnId, Position] = {}  # txn -> first position, in append order
         self._pending: dict[TxnId, list[LogEntry]] = {}  # kept entries of ongoing txns
         self._markers: dict[TxnId, TxnMarker] = {}  # first marker of each txn, in append order
@@ -54,7 +54,7 @@ class TopicTransactionBuffer:
     @classmethod
     def restored(cls, topic: str, aborts: Iterable[tuple[TxnId, Position]],
                  last_position: Position | None, *, closed: Iterable[TxnMarker] = (),
-                 ongoing: Mapping[TxnId, Position] | None = None, sequences: Iterable[tuple[int, int]] = (),
+                 ongoing: Mapping[TxnId, Position] | None = None, sequences: Iterable[tuple[int, int | None, int]] = (),
                  ledger_lasts: Iterable[Position] = ()) -> "TopicTransactionBuffer":
         """A buffer resumed from a snapshot, ready to be fed the entries after `last_position`.
 
@@ -68,7 +68,7 @@ class TopicTransactionBuffer:
         the abort set (commits, trimmed aborts: closed all the same); `ongoing`, the transactions
         with kept data there and no marker yet (txn -> first position: they hold the stable
         position back; their data there is not in the buffer); `sequences`, the (producer_id,
-        sequence_id) pairs of DATA seen there (a later copy is a duplicate); `ledger_lasts`, the
+        producer_epoch, sequence_id) keys of DATA seen there (a later copy is a duplicate); `ledger_lasts`, the
         ledgers' last entries (the position-before rule).
         """
         buffer = cls(topic)
@@ -110,9 +110,10 @@ class TopicTransactionBuffer:
             self._apply_data(entry)
 
     def _apply_data(self, entry: LogEntry) -> None:
-        # De-duplication comes first: a retried send is dropped whatever its transaction.
+        # De-duplication comes first: a retried send is dropped whatever its transaction. The epoch is
+        # part of the key: a producer restarts its sequence at 0 when its epoch is bumped.
         if entry.producer_id is not None and entry.sequence_id is not None:
-            sequence = (entry.producer_id, entry.sequence_id)
+            sequence = (entry.producer_id, entry.producer_epoch, entry.sequence_id)
             if sequence in self._seen_sequences:
                 self.violations[Violation.DUPLICATE] += 1
                 return
