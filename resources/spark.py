@@ -135,7 +135,8 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             # Our log4j2 configuration (log4j2.properties here): without one Spark logs at INFO and announces
             # its default profile on every start, burying the CLI's story. A set conf dir wins.
             os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
-            # Python workers (the buffer kernel's UDFs) run this interpreter, which has the project's packages.
+            # Python workers (the buffer kernel's and the snapshot index's Arrow UDFs) need this
+            # interpreter's packages; PySpark would start the first `python3` on PATH. A set PYSPARK_PYTHON wins.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         started = time.perf_counter()
         builder = SparkSession.builder

@@ -8,9 +8,10 @@ The same design as the reference `txn_engine.snapshots` (the oracle; docs/snapsh
 - `compacted_segments` is the compaction rule; `compact_segments` rewrites the table with it in
   one commit, then runs OPTIMIZE and VACUUM.
 - `recover_buffer_states` rebuilds `recovered_buffer_state`: the live snapshot by its index
-  (`live_snapshots`), its aborts minus those of DELETED ledgers, plus a replay of the entries after
-  its max read position through the buffer kernel (`buffer_spark.decide_full`), with the
-  snapshot's state carried in (see `_replay_input`). Topics without a usable snapshot are replayed
+  (`live_snapshots`, over the rows `snapshot_index`'s rules accept, run as Arrow UDFs), its
+  aborts minus those of DELETED ledgers, plus a replay of the entries after its max read
+  position through the buffer kernel (`buffer_spark.decide_full`), with the snapshot's state
+  carried in (see `_replay_input`). Topics without a usable snapshot are replayed
   in full, in the same Spark job. The asset recovers in the driver instead
   (`txn_engine.snapshot_recovery`, the same rules without Spark jobs); this Spark plan is what it
   falls back to for a large tail, and what the tests hold it equal to.
@@ -29,6 +30,8 @@ from typing import Callable, Iterator, Sequence
 
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
+from pyspark.sql.functions import arrow_udf
+from pyspark.sql.types import IntegerType, StringType
 
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
 from txn_engine.spark_columns import conform, has_txn, is_marker, position_lt
@@ -48,6 +51,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
+from txn_engine.snapshot_index import BAD_REASON, RULE_COLUMNS, bad_row_reasons_of, part_numbers
 from txn_engine.snapshots import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
 
@@ -64,10 +68,10 @@ def _empty_aborts() -> Column:
 
 # -- keys ---------------------------------------------------------------------------------------
 
-def _suffix() -> Column:
-    """What follows `topic-` in the key, or null when the key does not start with it."""
-    prefix = F.concat(F.col("topic"), F.lit("-"))
-    return F.when(F.col("snapshot_key").startswith(prefix), F.expr("substring(snapshot_key, length(topic) + 2)"))
+# The part number and the bad-row rules run as Arrow UDFs: the functions the driver's recovery
+# calls (`snapshot_index`). Not mapInArrow: PySpark builds it on pandas_udf, which needs pandas.
+_part_number = arrow_udf(part_numbers, IntegerType())
+_bad_row_reason = arrow_udf(bad_row_reasons_of, StringType())
 
 
 def is_end_key() -> Column:
@@ -76,32 +80,14 @@ def is_end_key() -> Column:
 
 def part_number() -> Column:
     """The number of a `topic-i` key, null for `topic-end` and for keys of no topic."""
-    suffix = _suffix()
-    return F.when(suffix.rlike("^[1-9][0-9]{0,8}$"), suffix.cast("int"))
+    return _part_number(F.col("topic"), F.col("snapshot_key"))
 
 
-def bad_row_reason() -> Column:
-    """Why a segment row cannot be used (null when it can): checked before recovery trusts it."""
-    bad_abort = F.exists(
-        "aborts",
-        lambda a: a.isNull() | a["txn_most_bits"].isNull() | a["txn_least_bits"].isNull()
-        | a["ledger_id"].isNull() | a["entry_id"].isNull(),
-    )
-    live_row = ~F.coalesce(F.col("tombstone"), F.lit(False))
-    return (
-        F.when(F.col("topic").isNull() | F.col("snapshot_key").isNull(), F.lit("a segment row without topic or key"))
-        .when(~is_end_key() & part_number().isNull(),
-              F.format_string("segment key '%s' is not a key of topic '%s' (wrong topic or unreadable key)",
-                              "snapshot_key", "topic"))
-        .when(live_row & (F.col("snapshot_id").isNull() | F.col("segment_index").isNull()
-                          | F.col("segment_count").isNull() | F.col("abort_count").isNull() | F.col("aborts").isNull()),
-              F.format_string("segment '%s' lacks its snapshot index columns or aborts (unreadable)", "snapshot_key"))
-        .when(live_row & is_end_key() & (F.col("max_read_ledger_id").isNull() | F.col("max_read_entry_id").isNull()),
-              F.format_string("segment '%s' has no max read position (unreadable)", "snapshot_key"))
-        .when(live_row & bad_abort, F.format_string("segment '%s' holds an unreadable abort", "snapshot_key"))
-        .when(live_row & ~is_end_key() & (F.col("segment_index") != part_number()),
-              F.format_string("segment '%s' says it is part %s", "snapshot_key", "segment_index"))
-    )
+def checked_segments(segments: DataFrame) -> DataFrame:
+    """`segments` with `bad_reason`: why a row cannot be used (null when it can), checked before
+    recovery trusts it. Checkpointed: the index reads the rows several times, and each read
+    would run the rules in a Python worker again."""
+    return segments.withColumn(BAD_REASON, _bad_row_reason(F.struct(*RULE_COLUMNS))).localCheckpoint()
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -304,12 +290,13 @@ def _write_tombstones(warehouse: Warehouse, ids: dict[str, int], counts: dict[st
     latest = latest_per_key(warehouse.read(TXN_SNAPSHOT_SEGMENTS))
     stale = (
         latest.join(F.broadcast(new), "topic")
-        .where(~F.coalesce("tombstone", F.lit(False)) & part_number().isNotNull() & (part_number() >= F.col("_count")))
+        .withColumn("_part", part_number())
+        .where(~F.coalesce("tombstone", F.lit(False)) & F.col("_part").isNotNull() & (F.col("_part") >= F.col("_count")))
         .select(
             "snapshot_key", "topic", F.lit(-1).cast("long").alias("max_read_ledger_id"),
             F.lit(-1).cast("long").alias("max_read_entry_id"),
             _empty_aborts().alias("aborts"),
-            F.col("_id").alias("snapshot_id"), part_number().alias("segment_index"),
+            F.col("_id").alias("snapshot_id"), F.col("_part").alias("segment_index"),
             F.lit(0).alias("segment_count"), F.lit(0).cast("long").alias("abort_count"), F.lit(True).alias("tombstone"),
         )
     )
@@ -399,9 +386,13 @@ def live_snapshots(segments: DataFrame) -> DataFrame:
     Columns: topic, snapshot_id, max_read_ledger_id, max_read_entry_id, segment_count,
     abort_count, aborts (the whole abort set, in order; null when unusable), fallback_reason.
     """
-    checked = segments.withColumn("_bad", bad_row_reason())
-    bad = checked.where(F.col("_bad").isNotNull()).groupBy("topic").agg(F.min("_bad").alias("_bad_reason"))
-    good = checked.where(F.col("_bad").isNull()).drop("_bad")
+    return _live_snapshots(checked_segments(segments))
+
+
+def _live_snapshots(checked: DataFrame) -> DataFrame:
+    """`live_snapshots` of `checked_segments`."""
+    bad = checked.where(F.col(BAD_REASON).isNotNull()).groupBy("topic").agg(F.min(BAD_REASON).alias("_bad_reason"))
+    good = checked.where(F.col(BAD_REASON).isNull()).drop(BAD_REASON)
     ends = live_ends(good).select(
         "topic", "snapshot_id", "max_read_ledger_id", "max_read_entry_id", "segment_count", "abort_count",
         F.col("aborts").alias("_end_aborts"),
@@ -416,7 +407,7 @@ def live_snapshots(segments: DataFrame) -> DataFrame:
         .agg(F.count("*").alias("_parts"),
              F.array_sort(F.collect_list(F.struct("segment_index", "aborts"))).alias("_ordered"))
     )
-    topics = segments.select("topic").where(F.col("topic").isNotNull()).distinct()
+    topics = checked.select("topic").where(F.col("topic").isNotNull()).distinct()
     joined = topics.join(bad, "topic", "left").join(ends, "topic", "left").join(parts, "topic", "left")
     all_aborts = F.when(F.col("_ordered").isNull(), F.col("_end_aborts")).otherwise(
         F.concat(F.flatten(F.transform("_ordered", lambda p: p["aborts"])), F.col("_end_aborts")))
@@ -662,11 +653,12 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
       again, the topic is READY and the next compaction drops those parts.
     """
     now = now or datetime.now(timezone.utc)
-    index = live_snapshots(segments)
-    ends = live_ends(segments.where(bad_row_reason().isNull())).select(
+    checked = checked_segments(segments)
+    index = _live_snapshots(checked)
+    ends = live_ends(checked.where(F.col(BAD_REASON).isNull())).select(
         "topic", F.col("write_seq").alias("_end_seq"), F.col("written_at").alias("last_snapshot_at"))
     newer_parts = (
-        segments.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
+        checked.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
         .join(ends, "topic", "left")
         .where(F.col("_end_seq").isNull() | (F.col("write_seq") > F.col("_end_seq")))
         .groupBy("topic").agg(F.count("*").alias("_unfinished"))

@@ -8,16 +8,16 @@ skip the files of older ledgers, as on Spark), replays the tail through the refe
 (`TopicTransactionBuffer.restored`, then `append`), keeps the snapshot's abort set as Arrow from
 segment to result, and writes `recovered_buffer_state` in one delta-rs commit.
 
-Its result is the Spark path's (`snapshot_jobs.recover_buffer_states`): the same index rules
-(`bad_row_reason`, `live_snapshots`, restated over Arrow rows below), the same trimming, anchor and
-replay; the tests hold both paths equal, row for row, and equal to the full replay. Spark still
-does what is large: topics without a usable snapshot are replayed in full on Spark
-(`full_replay_states`), and a tail beyond `DriverLimits` sends the whole recovery to Spark.
+Its result is the Spark path's (`snapshot_jobs.recover_buffer_states`): the same row rules (the
+functions of `snapshot_index`, which both paths call), `live_snapshots` restated over Arrow rows
+below, the same trimming, anchor and replay; the tests hold both paths equal, row for row, and
+equal to the full replay. Spark still does what is large: topics without a usable snapshot are
+replayed in full on Spark (`full_replay_states`), and a tail beyond `DriverLimits` sends the whole
+recovery to Spark.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,13 +44,13 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
 from txn_engine.snapshot_jobs import full_replay_states, recover_from_warehouse
-from txn_engine.snapshots import END_SUFFIX, Source
+from txn_engine.snapshot_index import bad_row_reasons, end_keys
+from txn_engine.snapshots import Source
 from txn_engine.transaction_buffer import TopicTransactionBuffer
 from txn_engine.warehouse import Warehouse
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)
 RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
-PART_NUMBER = re.compile(r"^[1-9][0-9]{0,8}$")  # snapshot_jobs.part_number's rule
 
 
 @dataclass(frozen=True)
@@ -71,35 +71,7 @@ class RecoverySummary:
     seconds: dict[str, float] = field(default_factory=dict)  # per step
 
 
-# -- the snapshot index over Arrow rows (the rules of snapshot_jobs.bad_row_reason / live_snapshots) --
-
-def _part_number(topic: str, key: str) -> int | None:
-    prefix = f"{topic}-"
-    suffix = key[len(prefix):] if key.startswith(prefix) else None
-    return int(suffix) if suffix is not None and PART_NUMBER.search(suffix) else None
-
-
-def bad_row_reason(row: dict, aborts_null: bool, bad_abort: bool) -> str | None:
-    """`snapshot_jobs.bad_row_reason` for one row (`aborts` summarised by the two flags)."""
-    topic, key = row["topic"], row["snapshot_key"]
-    if topic is None or key is None:
-        return "a segment row without topic or key"
-    end = key == f"{topic}-{END_SUFFIX}"
-    part = _part_number(topic, key)
-    if not end and part is None:
-        return f"segment key '{key}' is not a key of topic '{topic}' (wrong topic or unreadable key)"
-    if row["tombstone"]:
-        return None
-    if None in (row["snapshot_id"], row["segment_index"], row["segment_count"], row["abort_count"]) or aborts_null:
-        return f"segment '{key}' lacks its snapshot index columns or aborts (unreadable)"
-    if end and (row["max_read_ledger_id"] is None or row["max_read_entry_id"] is None):
-        return f"segment '{key}' has no max read position (unreadable)"
-    if bad_abort:
-        return f"segment '{key}' holds an unreadable abort"
-    if not end and row["segment_index"] != part:
-        return f"segment '{key}' says it is part {row['segment_index']}"
-    return None
-
+# -- the snapshot index over Arrow rows (the rules of snapshot_jobs.live_snapshots) -----------------
 
 @dataclass(frozen=True)
 class IndexedSnapshot:
@@ -116,15 +88,9 @@ def snapshot_index(segments: pa.Table) -> tuple[dict[str, IndexedSnapshot], pa.L
     """Per topic with segment rows, its live snapshot or why it cannot be used; and the aborts column."""
     meta = segments.drop_columns(["aborts"]).to_pylist()
     aborts = segments.column("aborts").combine_chunks() if segments.num_rows else pa.array([], pa.list_(ABORTS_TYPE))
-    # An unreadable abort: a null element or a null field, found for all rows at once.
-    values = aborts.flatten()
-    bad_value = values.is_null()
-    for child in values.flatten():
-        bad_value = pc.or_(bad_value, child.is_null())
-    bad_rows = set(pc.filter(pc.list_parent_indices(aborts), bad_value).to_pylist())
     sizes = pc.fill_null(pc.list_value_length(aborts), 0).to_pylist()
-    nulls = aborts.is_null().to_pylist()
-    reasons = [bad_row_reason(r, nulls[i], i in bad_rows) for i, r in enumerate(meta)]
+    reasons = bad_row_reasons(segments).to_pylist()
+    is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
 
     bad: dict[str, str] = {}
     ends: dict[str, int] = {}  # topic -> row of its latest good topic-end
@@ -134,15 +100,13 @@ def snapshot_index(segments: pa.Table) -> tuple[dict[str, IndexedSnapshot], pa.L
             continue
         if why is not None:
             bad[topic] = min(bad.get(topic, why), why)
-        elif row["snapshot_key"] == f"{topic}-{END_SUFFIX}" and (
-                topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
+        elif is_end[i] and (topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
             ends[topic] = i
     live = {t: i for t, i in ends.items() if not meta[i]["tombstone"]}
     parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
     for i, (row, why) in enumerate(zip(meta, reasons)):
         end = live.get(row["topic"])
-        if why is not None or end is None or row["tombstone"] or i == end or \
-                row["snapshot_key"] == f"{row['topic']}-{END_SUFFIX}":
+        if why is not None or end is None or row["tombstone"] or is_end[i]:
             continue
         e = meta[end]
         if row["snapshot_id"] == e["snapshot_id"] and row["segment_index"] < e["segment_count"]:
