@@ -4,9 +4,9 @@ Why (docs/snapshots.md, "Recovery in the driver"): recovery's work is small (a s
 few rows, one abort array per topic, the entries after the snapshots), but on Spark it is ~10 jobs
 whose fixed cost alone exceeds a full replay of a million-entry log. This path reads the segments,
 `ledger_states` and the tail of `ledger_entries` with delta-rs/pyarrow (the Delta file statistics
-skip the files of older ledgers, as on Spark), replays the tail through the reference buffer
-(`TopicTransactionBuffer.restored`, then `append`), keeps the snapshot's abort set as Arrow from
-segment to result, and writes `recovered_buffer_state` in one delta-rs commit.
+skip the files of older ledgers, as on Spark), replays the tail through the buffer kernel
+(`buffer_arrow`, the same input as the Spark path's: `_replay_input`), keeps the snapshot's abort
+set as Arrow from segment to result, and writes `recovered_buffer_state` in one delta-rs commit.
 
 Its result is the Spark path's (`snapshot_jobs.recover_buffer_states`): the same row rules (the
 functions of `snapshot_index`, which both paths call), `live_snapshots` restated over Arrow rows
@@ -29,24 +29,27 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
+from txn_engine import buffer_arrow
 from txn_engine.buffer_arrow import NARROW_COLUMNS
 from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
-from txn_engine.log_types import EntryType, LogEntry, TxnId
+from txn_engine.log_types import EntryType
 from txn_engine.positions import Position
 from txn_engine.schema import (
     ABORT_STRUCT,
+    ABORTED_TXNS,
     LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
     RECOVERED_BUFFER_STATE,
     RECOVERED_BUFFER_STATE_SCHEMA,
+    STABLE_POSITIONS,
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
 from txn_engine.snapshot_jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshot_index import bad_row_reasons, end_keys
 from txn_engine.snapshots import Source
-from txn_engine.transaction_buffer import TopicTransactionBuffer
 from txn_engine.warehouse import Warehouse
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)
@@ -163,23 +166,28 @@ def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
 
 # -- the replay ---------------------------------------------------------------------------------
 
-def _log_entry(row: dict) -> LogEntry:
-    """An entry as the buffer jobs see it: a half transaction id is none, a marker without one plain."""
-    if row["txn_most_bits"] is None or row["txn_least_bits"] is None:
-        row["txn_most_bits"] = row["txn_least_bits"] = None
-        row["entry_type"] = EntryType.DATA.value
-    return LogEntry(**row)
-
-
-def _met_aborts(kept: pa.StructArray, tail: list[LogEntry]) -> list[tuple[TxnId, Position]]:
-    """The snapshot's aborts of the transactions the tail meets: the only ones the replay consults."""
-    met = {e.txn_id for e in tail if e.txn_id is not None}
-    if not met or not len(kept):
-        return []
-    maybe = pc.and_(pc.is_in(kept.field("txn_most_bits"), pa.array({t.most_bits for t in met}, pa.int64())),
-                    pc.is_in(kept.field("txn_least_bits"), pa.array({t.least_bits for t in met}, pa.int64())))
-    return [(TxnId(a["txn_most_bits"], a["txn_least_bits"]), Position(a["ledger_id"], a["entry_id"]))
-            for a in kept.filter(maybe).to_pylist() if (a["txn_most_bits"], a["txn_least_bits"]) in met]
+def _replay_input(topic: str, kept: pa.StructArray, anchor: Position | None, tail: pa.Table) -> pa.Table:
+    """What the kernel replays after a snapshot (as `snapshot_jobs._replay_input` on Spark): the tail,
+    with every entry of a transaction in the snapshot's trimmed abort set (`kept`) made plain (no
+    transaction, no sequence: it is closed, so a later marker is a duplicate and later data late,
+    both only moving the log's end), and one plain entry at the anchor (the log's end so far and
+    the previous non-empty ledger of the position-before rule)."""
+    closed = pa.table({"txn_most_bits": kept.field("txn_most_bits"), "txn_least_bits": kept.field("txn_least_bits"),
+                       "_closed": pa.array([True] * len(kept), pa.bool_())})
+    rows = tail.join(closed, ["txn_most_bits", "txn_least_bits"], join_type="left outer") if len(kept) else \
+        tail.append_column("_closed", pa.nulls(tail.num_rows, pa.bool_()))
+    plain = pc.fill_null(rows["_closed"], False)
+    for name in ("txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id"):
+        rows = rows.set_column(rows.schema.get_field_index(name), name,
+                               pc.if_else(plain, pa.nulls(rows.num_rows, rows.schema.field(name).type), rows[name]))
+    rows = rows.set_column(rows.schema.get_field_index("entry_type"), "entry_type",
+                           pc.if_else(plain, pa.scalar(EntryType.DATA.value), rows["entry_type"]))
+    rows = rows.select(list(NARROW_COLUMNS))
+    if anchor is not None:
+        at = {c: None for c in NARROW_COLUMNS} | {"topic": topic, "ledger_id": anchor.ledger_id,
+                                                  "entry_id": anchor.entry_id, "entry_type": EntryType.DATA.value}
+        rows = pa.concat_tables([rows, pa.Table.from_pylist([at], schema=rows.schema)])
+    return rows
 
 
 def _in_position_order(aborts: pa.StructArray) -> pa.StructArray:
@@ -196,25 +204,23 @@ def _in_position_order(aborts: pa.StructArray) -> pa.StructArray:
 
 
 def replay_after_snapshot(topic: str, kept: pa.StructArray, anchor: Position | None,
-                          tail: list[LogEntry]) -> tuple[Position, pa.StructArray] | None:
+                          tail: pa.Table) -> tuple[Position, pa.StructArray] | None:
     """The buffer of `topic` from its trimmed snapshot aborts (`kept`), the anchor (the last remaining
-    entry at or before the max read position) and the entries after it, in ledger order.
-
-    Only the snapshot's aborts the tail meets are restored into the buffer (closed transactions:
-    their later markers are duplicates, later data late); the others only pass through to the
-    result. None when the topic has neither anchor nor entries (the Spark path has no row then).
-    """
-    restored = _met_aborts(kept, tail)
-    buffer = TopicTransactionBuffer.restored(topic, restored, anchor)
-    for entry in tail:
-        buffer.append(entry)
-    if buffer.last_position is None:
+    entry at or before the max read position) and the entries after it (`tail`: narrow columns),
+    decided by the buffer kernel: its max read position, and `kept` followed by the new aborts in
+    abort-marker order. None when the topic has neither anchor nor entries (the Spark path has no
+    row then)."""
+    replayed = _replay_input(topic, kept, anchor, tail.select(list(NARROW_COLUMNS)))
+    if not replayed.num_rows:
         return None
-    closed = {txn for txn, _ in restored}
-    new = [(txn, pos) for txn, pos in buffer.aborts.items() if txn not in closed]
-    added = pa.array([{"txn_most_bits": t.most_bits, "txn_least_bits": t.least_bits, "ledger_id": p.ledger_id,
-                       "entry_id": p.entry_id} for t, p in new], ABORTS_TYPE)
-    return buffer.max_read_position, _in_position_order(pa.concat_arrays([kept, added]) if new else kept)
+    decided = buffer_arrow.full_scope_tables(replayed)
+    (stable,) = decided.tables[STABLE_POSITIONS].to_pylist()
+    new = decided.tables[ABORTED_TXNS]
+    added = pa.StructArray.from_arrays([new["txn_most_bits"].combine_chunks(), new["txn_least_bits"].combine_chunks(),
+                                        new["abort_ledger_id"].combine_chunks(), new["abort_entry_id"].combine_chunks()],
+                                       fields=list(ABORTS_TYPE))
+    aborts = pa.concat_arrays([kept.cast(ABORTS_TYPE), added]) if len(added) else kept
+    return Position(stable["max_read_ledger_id"], stable["max_read_entry_id"]), _in_position_order(aborts)
 
 
 # -- reading, planning and writing --------------------------------------------------------------
@@ -329,19 +335,17 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
         return RecoverySummary("spark", seconds=seconds)
     rows = []
     with _step(seconds, "replay"):
-        by_topic: dict[str, list[LogEntry]] = {}
-        for row in (tail.to_pylist() if tail is not None else []):
-            by_topic.setdefault(row["topic"], []).append(_log_entry(row))
         for topic, snap in usable.items():
             gone = deleted.get(topic, set())
-            entries = by_topic.get(topic, [])
+            entries = tail.filter(pc.equal(tail["topic"], topic)) if tail is not None else \
+                arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table().select(list(NARROW_COLUMNS))
             state = replay_after_snapshot(topic, snapshot_aborts(aborts, snap.rows, gone),
                                           _anchor(log, topic, snap, gone), entries)
             if state is not None:
                 rows.append({"topic": topic, "max_read_ledger_id": state[0].ledger_id,
                              "max_read_entry_id": state[0].entry_id, "aborts": state[1],
                              "snapshot_id": snap.snapshot_id, "source": Source.SNAPSHOT.value,
-                             "fallback_reason": None, "replayed_entries": len(entries)})
+                             "fallback_reason": None, "replayed_entries": entries.num_rows})
     with _step(seconds, "topics"):
         others = sorted(_log_topics(log) - set(usable))
     if others:
