@@ -59,7 +59,7 @@ from txn_engine.snapshot_jobs import (
     write_snapshots,
 )
 from txn_engine.snapshot_recovery import recover_to_warehouse, stale_recovery
-from txn_engine.snapshots import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
+from txn_engine.snapshot_format import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
 from txn_engine.warehouse import Warehouse
 
 GROUP = "snapshots"

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from txn_engine.log_types import LogEntry, TxnId
 from txn_engine.positions import Position
-from txn_engine.snapshots import Crash, SnapshotConfig, SnapshotLog, SnapshotSegment
+from txn_engine.snapshots import Crash, SnapshotLog, SnapshotSegment
+from txn_engine.snapshot_format import SnapshotConfig
 from txn_engine.transaction_buffer import TopicTransactionBuffer
 
 OPS = ("data", "data", "txn_data", "txn_data", "txn_data", "commit", "abort", "abort", "roll",

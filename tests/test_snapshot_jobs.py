@@ -42,18 +42,8 @@ from txn_engine.snapshot_jobs import (
     write_snapshots,
 )
 from txn_engine.snapshot_recovery import DriverLimits, recover_to_warehouse
-from txn_engine.snapshots import (
-    ABORT_BYTES,
-    SEGMENT_ENVELOPE_BYTES,
-    Crash,
-    SnapshotConfig,
-    SnapshotError,
-    SnapshotSegment,
-    Source,
-    compacted_rows,
-    recover,
-    split_snapshot,
-)
+from txn_engine.snapshots import Crash, SnapshotSegment, compacted_rows, recover, split_snapshot
+from txn_engine.snapshot_format import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES, SnapshotConfig, SnapshotError, Source
 
 SMALL = SnapshotConfig(max_aborts_per_segment=2)
 

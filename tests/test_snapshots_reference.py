@@ -11,18 +11,8 @@ from hypothesis import given, settings
 from tests.snapshot_histories import full_replay, op_lists, replay_topic, simulate
 from txn_engine.log_types import BufferState, LogEntry, TxnId
 from txn_engine.positions import EARLIEST, Position
-from txn_engine.snapshots import (
-    Crash,
-    SnapshotConfig,
-    SnapshotError,
-    SnapshotLog,
-    Source,
-    live_snapshot,
-    recover,
-    recover_pip178_as_written,
-    segment_bytes,
-    split_snapshot,
-)
+from txn_engine.snapshots import Crash, SnapshotLog, live_snapshot, recover, recover_pip178_as_written, split_snapshot
+from txn_engine.snapshot_format import SnapshotConfig, SnapshotError, Source, segment_bytes
 
 T = "orders-partition-0"
 

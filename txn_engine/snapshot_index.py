@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from txn_engine.snapshots import END_SUFFIX
+from txn_engine.snapshot_format import END_SUFFIX
 
 BAD_REASON = "bad_reason"  # the column the Spark jobs append: null for a usable row
 # The columns the rules read; Spark packs them in one struct for `bad_row_reasons_of`.

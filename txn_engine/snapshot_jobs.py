@@ -52,7 +52,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
 from txn_engine.snapshot_index import BAD_REASON, RULE_COLUMNS, bad_row_reasons_of, part_numbers
-from txn_engine.snapshots import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
+from txn_engine.snapshot_format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
 
 # Columns the buffer kernel never reads (NARROW_COLUMNS are the ones it does).

@@ -49,7 +49,7 @@ from txn_engine.schema import (
 )
 from txn_engine.snapshot_jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshot_index import bad_row_reasons, end_keys
-from txn_engine.snapshots import Source
+from txn_engine.snapshot_format import Source
 from txn_engine.warehouse import Warehouse
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)
