@@ -283,6 +283,13 @@ def txns_from_ledger_txns(ledger_txns: pa.Table) -> pa.Table:
     return txns.drop_columns(["_is_commit"]).append_column("outcome", outcome)
 
 
+def txns_of(narrow: pa.Table) -> pa.Table:
+    """`txns_from_ledger_txns` of whole histories (`narrow`: every entry of their topics), retried
+    duplicates dropped first: where each transaction stands on each topic."""
+    narrow = with_row_index(narrow.select(list(NARROW_COLUMNS)))
+    return txns_from_ledger_txns(by_ledger_txn(narrow, is_duplicate(narrow, duplicate_positions(narrow))))
+
+
 def stable_positions(txns: pa.Table, ledgers: Iterable[tuple[str, int, int]]) -> pa.Table:
     """Per topic of `ledgers` ((topic, ledger_id, last_entry_id) of every ledger): the max read
     position, the last position and the ongoing count."""

@@ -3,7 +3,7 @@
 Two sources, as in Kafka's `kafka-transactions.sh` and Pulsar's admin: the coordinator's
 `txn_log` and the ledgers themselves (`ledger_entries`), so transactions known only from
 ingested ledgers are listed, described and abortable too. Per-topic state comes from the
-reference transaction buffer (its rules for ongoing/committed/aborted), never restated here.
+buffer kernel (`buffer_arrow.txns_of`: its rules for ongoing/committed/aborted), never restated here.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from datetime import datetime, timedelta
 
 from txn_engine.coordinator import TxnStatus
 from txn_engine.delta_io import DeltaTables
-from txn_engine.log_types import EntryType, LogEntry, TxnId, TxnState
+from txn_engine import buffer_arrow
+from txn_engine.buffer_arrow import NARROW_COLUMNS
+from txn_engine.log_types import EntryType, TxnId, TxnState
 from txn_engine.positions import Position
 from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, TXN_LOG, TXN_LOG_SCHEMA
-from txn_engine.transaction_buffer import TopicTransactionBuffer, replay
 from txn_engine.txn_errors import InvalidTxnStateError, UnknownTransactionError
 
 
@@ -61,7 +62,14 @@ class TxnAdmin:
         self.tables = tables
         columns = [c for c in LEDGER_ENTRY_COLUMNS if c != "payload"]
         rows = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, columns).to_pylist() if with_ledgers else []
-        self.buffers: dict[str, TopicTransactionBuffer] = replay(LogEntry.from_row(r) for r in rows)
+        # Where each transaction stands on each topic, by the buffer kernel.
+        narrow = tables.read(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, list(NARROW_COLUMNS)) if with_ledgers else None
+        self._states: dict[str, dict[TxnId, tuple[TxnState, Position | None]]] = {}
+        for t in (buffer_arrow.txns_of(narrow).to_pylist() if narrow is not None else []):
+            ongoing = t["marker_count"] == 0
+            state = TxnState.ONGOING if ongoing else TxnState.COMMITTED if t["outcome"] == EntryType.COMMIT else TxnState.ABORTED
+            first = Position(t["first_data_ledger_id"], t["first_data_entry_id"]) if ongoing else None
+            self._states.setdefault(t["topic"], {})[TxnId(t["txn_most_bits"], t["txn_least_bits"])] = (state, first)
         self._positions: dict[str, list[Position]] = {}
         for r in rows:
             self._positions.setdefault(r["topic"], []).append(Position(r["ledger_id"], r["entry_id"]))
@@ -80,13 +88,12 @@ class TxnAdmin:
 
     def _parts(self, txn: TxnId) -> list[TopicPart]:
         parts = []
-        for topic, buffer in sorted(self.buffers.items()):
-            state = buffer.txn_state(txn)
-            if state is None:
+        for topic, states in sorted(self._states.items()):
+            if txn not in states:
                 continue
+            state, first = states[txn]
             part = TopicPart(topic, state, None)
             if state == TxnState.ONGOING:
-                first = buffer.ongoing[txn]
                 part.first_position = first
                 positions = self._positions[topic]
                 part.entries_held_back = len(positions) - bisect_left(positions, first)
@@ -107,7 +114,7 @@ class TxnAdmin:
             info.started_at = row["txn_started_at"]
             info.timeout_ms = row["timeout_ms"]
             info.history.append(row)
-        in_ledgers = {txn for buffer in self.buffers.values() for txn in (*buffer.ongoing, *buffer.markers)}
+        in_ledgers = {txn for states in self._states.values() for txn in states}
         for txn in in_ledgers - set(infos):
             infos[txn] = TxnInfo(txn, "", "ledgers", producer_id=self._producer.get(txn))
         for txn, info in infos.items():
