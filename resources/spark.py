@@ -6,18 +6,28 @@ session made by the first `get_spark()`; later differing static settings are rep
 silently. Override anything from Dagster config (`SparkResource(master=..., conf={...})`) or the
 environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`, see
 `conf_from_environment`).
+
+On a cluster (any master but `local[...]`) executors need Delta's jars and this project's code:
+the jars go by `spark.jars` (every master), the code as a zip of its packages by
+`spark.submit.pyFiles` (`code_zip`; not when the user ships code themselves or sets
+TXNLAKE_SHIP_CODE=0), and their Python workers run this interpreter unless told otherwise
+(docs/deployment.md).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
 import re
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Mapping
+from urllib.parse import urlsplit
 
 from dagster import ConfigurableResource
 from pydantic import Field
@@ -58,6 +68,11 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
+
+# The packages executors import (pyproject's [tool.setuptools] packages), shipped as one zip.
+CODE_PACKAGES = ("txn_engine", "assets", "resources", "pipelines")
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+CODE_ZIP_MAX_AGE_S = 30 * 24 * 3600  # past any session's life: its executors fetch the zip from the driver
 
 SPARK_CONF_DIR = Path(__file__).parent  # holds log4j2.properties, and no spark-defaults.conf
 
@@ -111,7 +126,90 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
     if not _brings_own_delta(merged):
         jars = ",".join(str(p) for p in require_delta_jars())
         merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+    if not is_local_master(merged["spark.master"]):
+        _add_cluster_conf(merged)
     return merged
+
+
+def is_local_master(master: str) -> bool:
+    return master.startswith("local")
+
+
+def is_loopback_master(master: str) -> bool:
+    """A standalone master on this host's loopback (`spark://127.0.0.1:7077`, `spark://localhost:7077`):
+    the driver must be reachable there too, so it binds to loopback as in local mode."""
+    if not master.startswith("spark://"):
+        return False
+    hosts = [urlsplit(f"spark://{part}").hostname for part in master[len("spark://"):].split(",")]
+    return all(h in LOOPBACK_HOSTS for h in hosts)
+
+
+def _add_cluster_conf(merged: dict[str, str]) -> None:
+    """What a cluster's executors need that local mode gets for free, unless the user set it.
+
+    Memory: spark.executor.memory stays Spark's (1g, which a small worker hosts) unless the user or
+    the cluster's spark-defaults.conf sets it; a value here would override the latter. The driver
+    keeps its local-mode heap: it still builds the broadcasts and collects the small results."""
+    if is_loopback_master(merged["spark.master"]):
+        merged.setdefault("spark.driver.host", "127.0.0.1")
+    # A session built in-process (not by spark-submit) takes its workers' Python from
+    # PYSPARK_PYTHON only (`get_spark` exports this); by default the driver's own interpreter.
+    if "spark.pyspark.python" not in merged and not os.environ.get("PYSPARK_PYTHON"):
+        merged["spark.pyspark.python"] = sys.executable
+    # spark-submit (which starts the driver's JVM) also adds these to spark.files: executors fetch
+    # the zip and put it on their workers' PYTHONPATH.
+    if not merged.get("spark.submit.pyFiles") and os.environ.get("TXNLAKE_SHIP_CODE", "1").strip().lower() not in (
+        "0", "false", "no", "off"
+    ):
+        merged["spark.submit.pyFiles"] = str(code_zip())
+
+
+_code_zip: Path | None = None
+
+
+def code_cache_dir() -> Path:
+    return Path.home() / ".cache" / "txnlake" / "code"
+
+
+def code_zip() -> Path:
+    """A zip of the project's packages as this process imports them (a checkout, an editable or a
+    wheel install alike), built once per process. Named by its content, so executors never run a
+    stale copy and processes running the same code share one file."""
+    global _code_zip
+    if _code_zip is not None and _code_zip.is_file():
+        return _code_zip
+    files: list[tuple[str, Path]] = []
+    for package in CODE_PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigurationError(f"cannot ship package {package!r} to executors: it is not importable here")
+        root = Path(next(iter(spec.submodule_search_locations)))
+        for path in sorted(root.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
+                files.append((f"{package}/{path.relative_to(root).as_posix()}", path))
+    digest = hashlib.sha256()
+    for name, path in files:
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    target = code_cache_dir() / f"txnlake-code-{digest.hexdigest()[:16]}.zip"
+    if target.is_file():
+        target.touch()  # in use: kept by the pruning below
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as archive:
+            for name, path in files:
+                archive.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), path.read_bytes(),
+                                 compress_type=zipfile.ZIP_DEFLATED)
+        os.replace(partial, target)  # atomic: a concurrent process sees no half-written zip
+        # Every edit of the code makes a new zip: drop those no session has started with for a month.
+        for old in target.parent.glob("txnlake-code-*"):
+            try:
+                if time.time() - old.stat().st_mtime > CODE_ZIP_MAX_AGE_S:
+                    old.unlink()
+            except FileNotFoundError:  # pruned by another process
+                pass
+    _code_zip = target
+    return target
 
 
 def _brings_own_delta(conf: Mapping[str, str]) -> bool:
@@ -129,15 +227,21 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
         if _session is not None and _session.sparkContext._jsc is not None:
             _apply_runtime_conf(_session, wanted)
             return _session
-        if wanted["spark.master"].startswith("local"):
-            # Local mode talks to itself only: bind to loopback, not to whatever eth0 is.
+        if is_local_master(wanted["spark.master"]) or is_loopback_master(wanted["spark.master"]):
+            # Local mode (or a master on loopback) talks to this host only: bind to loopback, not to
+            # whatever eth0 is.
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
             # Our log4j2 configuration (log4j2.properties here): without one Spark logs at INFO and announces
-            # its default profile on every start, burying the CLI's story. A set conf dir wins.
+            # its default profile on every start, burying the CLI's story. A set conf dir wins; a real
+            # cluster's driver keeps Spark's own conf dir (its spark-defaults.conf).
             os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
+        if is_local_master(wanted["spark.master"]):
             # Python workers (the buffer kernel's and the snapshot index's Arrow UDFs) need this
             # interpreter's packages; PySpark would start the first `python3` on PATH. A set PYSPARK_PYTHON wins.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        if "spark.pyspark.python" in wanted:
+            # Honoured by spark-submit only (over PYSPARK_PYTHON); a session built here reads the environment.
+            os.environ["PYSPARK_PYTHON"] = wanted["spark.pyspark.python"]
         started = time.perf_counter()
         builder = SparkSession.builder
         for key, value in wanted.items():

@@ -155,3 +155,64 @@ def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):
     # A cluster that brings its own Delta does not need the cache.
     conf = effective_conf(conf={"spark.jars.packages": "io.delta:delta-spark_4.2_2.13:4.4.0"})
     assert "spark.jars" not in conf or "delta" not in conf["spark.jars"]
+
+
+@pytest.mark.parametrize("master,loopback", [
+    ("spark://127.0.0.1:7077", True), ("spark://localhost:7077", True), ("spark://[::1]:7077", True),
+    ("spark://127.0.0.1:7077,localhost:7078", True), ("spark://127.0.0.1:7077,spark-2:7077", False),
+    ("spark://10.1.2.3:7077", False), ("yarn", False), ("local[2]", False),
+])
+def test_loopback_masters(master, loopback):
+    from resources.spark import is_loopback_master
+
+    assert is_loopback_master(master) is loopback
+
+
+def test_a_cluster_master_ships_code_and_python(monkeypatch, tmp_path):
+    import os
+    import sys
+    import zipfile
+
+    import resources.spark as spark_module
+    import txn_engine.positions
+
+    for name in ("TXNLAKE_SPARK_MASTER", "TXNLAKE_SPARK_CONF", "TXNLAKE_SHIP_CODE", "PYSPARK_PYTHON"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(spark_module, "_code_zip", None)
+    monkeypatch.setattr(spark_module, "code_cache_dir", lambda: tmp_path / "code")
+    cluster_only = ("spark.submit.pyFiles", "spark.pyspark.python", "spark.driver.host")
+
+    local = effective_conf()
+    assert not set(cluster_only) & set(local)
+
+    loopback = effective_conf(master="spark://127.0.0.1:7077")
+    assert loopback["spark.driver.host"] == "127.0.0.1" and loopback["spark.pyspark.python"] == sys.executable
+    assert "spark.executor.memory" not in loopback  # Spark's 1g, or the cluster's spark-defaults.conf
+    shipped = Path(loopback["spark.submit.pyFiles"])
+    assert shipped.parent == tmp_path / "code" and "delta-spark" in loopback["spark.jars"]
+    with zipfile.ZipFile(shipped) as archive:
+        names = set(archive.namelist())
+        # The code this process runs (this checkout), not another copy of the package.
+        assert archive.read("txn_engine/positions.py") == Path(txn_engine.positions.__file__).read_bytes()
+    assert {f"{p}/__init__.py" for p in ("txn_engine", "assets", "resources", "pipelines")} <= names
+    assert "resources/log4j2.properties" in names and not any("__pycache__" in n for n in names)
+    assert effective_conf(master="spark://127.0.0.1:7077")["spark.submit.pyFiles"] == str(shipped)  # built once
+    # Zips of older code go once unused for a month; a rebuild of the same code makes the same file.
+    stale, recent = tmp_path / "code" / "txnlake-code-0.zip", tmp_path / "code" / "txnlake-code-1.zip"
+    stale.write_bytes(b"old"), recent.write_bytes(b"old")
+    os.utime(stale, (0, 0))
+    shipped.unlink()
+    monkeypatch.setattr(spark_module, "_code_zip", None)
+    assert spark_module.code_zip() == shipped and not stale.exists() and recent.exists()
+
+    remote = effective_conf(master="spark://spark-master:7077")
+    assert "spark.driver.host" not in remote and remote["spark.submit.pyFiles"] == str(shipped)
+
+    # What the user sets wins; code is not shipped when they ship their own or install it on the workers.
+    mine = {"spark.submit.pyFiles": "hdfs:///apps/txnlake.zip", "spark.pyspark.python": "/opt/py/bin/python3",
+            "spark.driver.host": "10.0.0.5", "spark.executor.memory": "4g"}
+    assert {k: effective_conf(master="spark://127.0.0.1:7077", conf=mine)[k] for k in mine} == mine
+    monkeypatch.setenv("TXNLAKE_SHIP_CODE", "0")
+    monkeypatch.setenv("PYSPARK_PYTHON", "/opt/py/bin/python3")
+    installed = effective_conf(master="spark://spark-master:7077")
+    assert "spark.submit.pyFiles" not in installed and "spark.pyspark.python" not in installed

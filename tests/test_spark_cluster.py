@@ -1,0 +1,193 @@
+"""txnlake on a real Spark standalone cluster (a master and two workers on loopback): the CLI end
+to end in local mode and on the cluster over one generated log, with the same tables and reads.
+
+Executors get Delta's jars and the project's code as a user's cluster would (`resources.spark`:
+`spark.jars`, and a zip of the packages by `spark.submit.pyFiles`); nothing is installed for them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.spark_standalone import StandaloneCluster, standalone_cluster
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+COMMAND_TIMEOUT = 900
+
+# Settings of the calling shell that would steer a run elsewhere than this test says.
+CLEARED_ENV = ("TXNLAKE_WAREHOUSE", "TXNLAKE_COLD_TIER", "TXNLAKE_LOCK_DIR", "TXNLAKE_SPARK_MASTER",
+               "TXNLAKE_SPARK_CONF", "TXNLAKE_COMPUTE", "TXNLAKE_SHIP_CODE", "PYSPARK_PYTHON", "SPARK_LOCAL_IP",
+               "SPARK_CONF_DIR", "PYTHONPATH")
+
+# Columns that legitimately differ between two runs over the same log; every other column of every
+# table must be equal row for row.
+RUN_SPECIFIC_COLUMNS = {
+    "updated_at": "wall-clock time the catalog row / snapshot state was refreshed",
+    "recorded_at": "wall-clock time a ledger state (OFFLOADED) was recorded",
+    "offloaded_at": "wall-clock time of the offload",
+    "tier_location": "absolute path of the tier table, under each warehouse's own root",
+    "snapshot_id": "random per snapshot (secrets.randbits), so recovery never mixes two snapshots' parts",
+    "written_at": "wall-clock time a snapshot segment was written",
+    "last_snapshot_at": "wall-clock time of the topic's last snapshot",
+}
+
+
+@pytest.fixture(scope="module")
+def spark_cluster(tmp_path_factory) -> StandaloneCluster:
+    with standalone_cluster(tmp_path_factory.mktemp("spark-cluster")) as cluster:
+        yield cluster
+
+
+def cli_env(settings: dict[str, str]) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k not in CLEARED_ENV}, **settings}
+
+
+def txnlake(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """`txnlake ARGS` in a fresh process of this checkout (`python -m pipelines.cli`, as the
+    `txnlake` script runs `pipelines.cli:main`); fails the test with its output if it fails."""
+    done = subprocess.run([sys.executable, "-m", "pipelines.cli", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=COMMAND_TIMEOUT)
+    assert done.returncode == 0, (
+        f"`txnlake {' '.join(args)}` exited {done.returncode} (TXNLAKE_SPARK_MASTER="
+        f"{env.get('TXNLAKE_SPARK_MASTER', '-')}):\n--- stdout\n{done.stdout[-4000:]}\n--- stderr\n{done.stderr[-8000:]}")
+    return done
+
+
+def run_cli_end_to_end(folder: Path, log: Path, topic: str, extra_env: dict[str, str]) -> tuple[Path, str]:
+    """ingest, run, snapshot, offload, read into a warehouse of its own; its root and the read's output."""
+    from pipelines.cli import DAGSTER_YAML
+
+    home = folder / "dagster_home"  # as the CLI prepares one (tests/test_cli.py): its runs and partitions only
+    home.mkdir(parents=True)
+    (home / "dagster.yaml").write_text(DAGSTER_YAML)
+    warehouse = folder / "warehouse"
+    env = cli_env({"TXNLAKE_WAREHOUSE": str(warehouse), "DAGSTER_HOME": str(home), **extra_env})
+    txnlake(["ingest", str(log)], env)
+    txnlake(["run"], env)
+    txnlake(["snapshot"], env)
+    offload = txnlake(["offload"], env)
+    assert "FAILED" not in offload.stdout and "offloaded 0 ledger(s)" not in offload.stdout, offload.stdout
+    return warehouse, txnlake(["read", topic, "--max", "50"], env).stdout
+
+
+def computed_by(folder: Path) -> set[str]:
+    """Where the transaction-buffer runs of `folder`'s Dagster home computed, by their materializations' metadata."""
+    from dagster import AssetKey, DagsterInstance
+
+    with DagsterInstance.from_config(str(folder / "dagster_home")) as instance:
+        events = instance.fetch_materializations(AssetKey("stable_positions"), limit=100).records
+        return {e.asset_materialization.metadata["computed_by"].value for e in events
+                if "computed_by" in e.asset_materialization.metadata}
+
+
+def delta_tables(root: Path) -> dict[str, Path]:
+    return {str(log.parent.relative_to(root)): log.parent for log in sorted(root.rglob("_delta_log"))}
+
+
+def comparable_rows(path: Path, skipped_seen: set[str]) -> tuple[object, list[dict]]:
+    """The table's schema without run-specific columns, and its rows sorted by every non-binary
+    column (nested ones by their repr), binary ones breaking ties."""
+    import pyarrow as pa
+    from deltalake import DeltaTable
+
+    table = DeltaTable(str(path)).to_pyarrow_table()
+    skipped = [c for c in table.column_names if c in RUN_SPECIFIC_COLUMNS]
+    skipped_seen.update(skipped)
+    table = table.drop_columns(skipped)
+    binary = [f.name for f in table.schema if pa.types.is_binary(f.type) or pa.types.is_large_binary(f.type)]
+    keys = [c for c in table.column_names if c not in binary] + binary
+    rows = table.to_pylist()
+    rows.sort(key=lambda r: [_sortable(r[c]) for c in keys])
+    return table.schema, rows
+
+
+def _sortable(value) -> tuple:
+    if value is None:
+        return (True, 0)  # nulls last; never compared with a value
+    return (False, repr(value) if isinstance(value, (list, dict)) else value)
+
+
+def test_the_cli_on_a_standalone_cluster_matches_local_mode(spark_cluster, tmp_path):
+    log = tmp_path / "log.jsonl"
+    txnlake(["generate", "--entries", "3000", "--seed", "11", str(log)], cli_env({"DAGSTER_HOME": str(tmp_path)}))
+    topic = min(json.loads(line)["topic"] for line in log.read_text().splitlines())
+
+    def apps() -> dict[str, dict]:
+        return {a["id"]: a for a in spark_cluster.state()["completedapps"]}
+
+    before = apps()
+    local_root, local_read = run_cli_end_to_end(tmp_path / "local", log, topic, {})
+    assert apps() == before, "local mode must not touch the cluster"
+    # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
+    # workers), not in the driver, which this small log would otherwise take.
+    cluster_root, cluster_read = run_cli_end_to_end(tmp_path / "cluster", log, topic, {
+        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark"})
+    assert computed_by(tmp_path / "local") == {"driver"} and computed_by(tmp_path / "cluster") == {"spark"}
+
+    # The cluster ran the work: each Spark-using command was an application whose executors ran on
+    # both workers, each executor small enough for a 2 GiB worker.
+    ran = [a for key, a in apps().items() if key not in before]
+    assert len(ran) >= 3 and {a["name"] for a in ran} == {"txnlake"}, ran
+    assert all(a["memoryperexecutor"] <= 2048 for a in ran), ran
+    for work_dir in spark_cluster.worker_dirs:
+        assert {p.name for p in work_dir.glob("app-*")} & {a["id"] for a in ran}, f"no executor of the run in {work_dir}"
+
+    local_tables, cluster_tables = delta_tables(local_root), delta_tables(cluster_root)
+    assert set(cluster_tables) == set(local_tables)
+    assert {"committed_entries", "stable_positions", "cold/offloaded_entries", "recovered_buffer_state"} <= set(local_tables)
+    skipped_seen: set[str] = set()
+    for name, path in local_tables.items():
+        local_schema, local_rows = comparable_rows(path, skipped_seen)
+        cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen)
+        # Names and types, not nullability: the buffer's Spark path writes its tables' columns
+        # nullable where the driver's Arrow path keeps the schema's NOT NULL (same rows).
+        assert [(f.name, f.type) for f in cluster_schema] == [(f.name, f.type) for f in local_schema], f"{name}: schemas differ"
+        assert len(cluster_rows) == len(local_rows), f"{name}: {len(cluster_rows)} rows on the cluster, {len(local_rows)} locally"
+        for i, (cluster_row, local_row) in enumerate(zip(cluster_rows, local_rows)):
+            assert cluster_row == local_row, f"{name}: row {i} (sorted) differs"
+    assert skipped_seen == set(RUN_SPECIFIC_COLUMNS), "a skipped column no table has: drop it from the list"
+
+    assert cluster_read == local_read
+    assert cluster_read.splitlines()[-1].startswith("-- 50 entries"), cluster_read[-500:]
+
+
+PROBE = """
+import importlib.util, json, sys
+from resources.spark import get_spark
+
+def where(_):
+    import sys, txn_engine.positions
+    yield {"executable": sys.executable, "txn_engine": txn_engine.positions.__file__,
+           **{p: importlib.util.find_spec(p).origin for p in ("assets", "resources", "pipelines")}}
+
+spark = get_spark()
+seen = spark.sparkContext.parallelize(range(4), 4).mapPartitions(where).collect()
+print(json.dumps({"driver_host": spark.conf.get("spark.driver.host"), "seen": seen}))
+spark.stop()
+"""
+
+
+def test_executors_run_the_shipped_code_with_this_python(spark_cluster, tmp_path):
+    """Executors' Python workers (the buffer kernel's, a user's UDF) import this checkout's packages
+    from the zip the driver shipped, not whatever their site-packages holds, with the driver's
+    interpreter."""
+    env = cli_env({"TXNLAKE_SPARK_MASTER": spark_cluster.url})
+    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT)
+    assert done.returncode == 0, done.stderr[-8000:]
+    probe = json.loads(done.stdout.splitlines()[-1])
+    assert probe["driver_host"] == "127.0.0.1"
+    assert len(probe["seen"]) == 4
+    for seen in probe["seen"]:
+        assert seen.pop("executable") == sys.executable
+        for package, origin in seen.items():
+            # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/positions.py
+            assert "txnlake-code-" in origin and ".zip/" in origin, (package, origin)
