@@ -46,7 +46,7 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
         refresh_buffer(wh, ledger_inventory(wh), full=True)
     with timed("plan: the eligible ledgers (not part of either figure)"):
         entries_df = wh.read(LEDGER_ENTRIES)
-        catalog = ledger_eligibility(current_ledger_catalog(wh), facts_of_log(entries_df).stable)
+        catalog = ledger_eligibility(current_ledger_catalog(wh), facts_of_log(entries_df).stable_positions)
         eligible = [(r.topic, r.ledger_id) for r in catalog.where("eligible").select("topic", "ledger_id").collect()]
     ledgers_total = catalog.count()
     print(f"  {len(eligible)} of {ledgers_total} ledgers eligible")

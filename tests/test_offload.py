@@ -221,11 +221,11 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     assert rows_of(recorded.committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
     assert recorded.versions == {t: warehouse.version(t) for t in (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)}
     from_log = facts_of_log(entries)
-    assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(from_log.stable)
+    assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(from_log.stable_positions)
     # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
     assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
     assert rows_of(from_state.duplicates) == rows_of(from_log.duplicates)
-    assert rows_of(from_state.stable) == rows_of(from_log.stable)
+    assert rows_of(from_state.stable_positions) == rows_of(from_log.stable_positions)
     for facts in (from_state, from_log):
         facts.unpersist()
 

@@ -24,7 +24,7 @@ from pyspark.sql.types import BooleanType, LongType, StringType, StructField, St
 
 from txn_engine import buffer_arrow
 from txn_engine.buffer_arrow import NARROW_COLUMNS, PENDING, TXN_KEY, VIOLATIONS, VISIBLE, ScopeTables, require_ledger_entries
-from txn_engine.delta_io import arrow_schema
+from txn_engine.delta_io import NARROW_ROW_BYTES, arrow_schema, fits_driver
 from txn_engine.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
@@ -45,6 +45,7 @@ from txn_engine.schema import (
     TXN_MARKERS,
     TXN_MARKERS_SCHEMA,
 )
+from txn_engine.spark_columns import BROADCAST_MAX_BYTES
 
 _POSITIONS = [StructField(c, StringType() if c == "topic" else LongType()) for c in POSITION_COLUMNS]
 DECISION_SCHEMAS: dict[str, StructType] = {
@@ -180,34 +181,9 @@ def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 
 
-@dataclass
-class TopicFacts:
-    """What a read of the log is classified by, per topic: the decided transactions (`txns`: the
-    first marker's outcome and position, `marker_ledger_id`, `marker_entry_id`), the retried
-    duplicates' positions and the stable positions."""
-
-    decided: SparkDecisions
-
-    @property
-    def txns(self) -> DataFrame:
-        return self.decided.table(TXN_MARKERS).withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
-            "entry_id", "marker_entry_id")
-
-    @property
-    def stable(self) -> DataFrame:
-        return self.decided.table(STABLE_POSITIONS)
-
-    @property
-    def duplicates(self) -> DataFrame:
-        return self.decided.table(BUFFER_DUPLICATES)
-
-    def unpersist(self) -> None:
-        self.decided.unpersist()
-
-
-def facts_of_log(entries: DataFrame) -> TopicFacts:
-    """`TopicFacts` of `entries` (ledger_entries rows): the kernel's full run."""
-    return TopicFacts(decide_full(entries))
+def facts_of_log(entries: DataFrame) -> BufferTables:
+    """The narrow `BufferTables` of `entries` (ledger_entries rows): the kernel's full run."""
+    return BufferTables(decide_full(entries))
 
 
 def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
@@ -219,21 +195,21 @@ def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
                       STABLE_POSITIONS: buffer_arrow.stable_positions(txns, ledgers)}, OUTPUT_SCHEMA, topic)
 
 
-def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> TopicFacts:
-    """`TopicFacts` folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
+def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> BufferTables:
+    """The markers, stable positions and duplicates (`BufferTables`) folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
     topic) and the `buffer_duplicates` of the same log."""
     folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
     duplicate_rows = _union_rows(duplicates, BUFFER_DUPLICATES, DECISION_SCHEMAS)
-    return TopicFacts(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
+    return BufferTables(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
 
 
 @dataclass
 class BufferTables:
-    """The four contract tables of a whole log, by the kernel on Spark (what a full run writes),
-    computed once when first read; `unpersist()` when done."""
+    """The buffer's tables of a whole log by the kernel on Spark, computed once when first read;
+    `unpersist()` when done. `entries` (the log's full rows) only for `committed_entries`."""
 
     decided: SparkDecisions
-    entries: DataFrame
+    entries: DataFrame | None = None
 
     @property
     def txn_markers(self) -> DataFrame:
@@ -246,6 +222,16 @@ class BufferTables:
     @property
     def stable_positions(self) -> DataFrame:
         return self.decided.table(STABLE_POSITIONS)
+
+    @property
+    def duplicates(self) -> DataFrame:
+        return self.decided.table(BUFFER_DUPLICATES)
+
+    @property
+    def txns(self) -> DataFrame:
+        """The decided transactions: the first marker's outcome, `marker_ledger_id`, `marker_entry_id`."""
+        return self.txn_markers.withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
+            "entry_id", "marker_entry_id")
 
     @property
     def committed_entries(self) -> DataFrame:
@@ -303,10 +289,16 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
     visible = decided.table(VISIBLE)
+    # Broadcast while the decisions fit: the full rows then stream past them, never shuffled.
+    if fits_driver(visible, BROADCAST_MAX_BYTES, NARROW_ROW_BYTES):
+        visible = F.broadcast(visible)
     committed = rows.join(visible, list(POSITION_COLUMNS))
     tables[COMMITTED_ENTRIES] = committed.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in COMMITTED_ENTRIES_SCHEMA.fields])
-    tables[BUFFER_PENDING_ENTRIES] = entries.select(*LEDGER_ENTRY_COLUMNS).join(
-        decided.table(PENDING), list(POSITION_COLUMNS), "left_semi")
+    # Pending rows lie in few ledgers (transactions open across a ledger's end): only those are read again.
+    pending = decided.table(PENDING)
+    ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
+    tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
+        *LEDGER_ENTRY_COLUMNS).join(pending, list(POSITION_COLUMNS), "left_semi")
     return tables
 
 

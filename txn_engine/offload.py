@@ -77,7 +77,7 @@ from txn_engine.buffer_incremental import (
 )
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
-from txn_engine.buffer_spark import TopicFacts, facts_of_log, facts_of_state
+from txn_engine.buffer_spark import BufferTables, facts_of_log, facts_of_state
 from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
@@ -183,7 +183,7 @@ def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
 
 
 def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
-    """The decided transactions of `txns` (`TopicFacts.txns`), marked for broadcast while they fit
+    """The decided transactions of `txns` (`BufferTables.txns`), marked for broadcast while they fit
     `broadcast_max_bytes` (a count: cheap on the cached facts), else left to a join by shuffle."""
     decided = txns.where(F.col("outcome").isNotNull())
     return F.broadcast(decided) if fits_driver(decided, broadcast_max_bytes, DECIDED_TXN_BROADCAST_BYTES) else decided
@@ -192,7 +192,7 @@ def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES
 def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFrame) -> DataFrame:
     """`entries` with a `disposition` column: KEPT or the reason it is dropped. Pure.
 
-    `txns` and `duplicates` are the buffer's facts (`TopicFacts.txns`, `.duplicates`) of the
+    `txns` and `duplicates` are the buffer's facts (`BufferTables.txns`, `.duplicates`) of the
     whole topic history, so the rules are exactly those of `committed_entries`.
     """
     decided = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
@@ -389,7 +389,7 @@ def offload_ledgers(
         stable = wh.spark.createDataFrame(recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
     else:
         facts = facts_of_log(entries) if state_version is None else _facts_from_state(wh, state_version)
-        stable = facts.stable
+        stable = facts.stable_positions
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
@@ -501,7 +501,7 @@ def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables 
     )
 
 
-def _facts_from_state(wh: Warehouse, state_version: int) -> TopicFacts:
+def _facts_from_state(wh: Warehouse, state_version: int) -> BufferTables:
     """The buffer's facts of the pinned log, folded by the kernel from its state at `state_version`."""
     # buffer_ledger_txns is pinned first: a buffer run writes it last, so a run in progress can only
     # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
@@ -535,7 +535,7 @@ class _Copy:
     entries: DataFrame  # the pinned ledger_entries
     targets: list[LedgerKey]
     ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
-    facts: TopicFacts | None
+    facts: BufferTables | None
     recorded: RecordedBufferTables | None
     broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
 
