@@ -472,3 +472,24 @@ def test_closed_ledgers_behind_the_state_follow_the_catalog_rules():
     assert closed == {("a", 1): (10, 9), ("a", 2): (5, 4), ("b", 5): (8, 7), ("c", 7): (4, 3)}
     assert ledgers_behind(closed, state) == {("a", 2): (5, 4), ("c", 7): (4, 3)}
     assert ledgers_behind(closed, {}) == closed
+
+
+def test_stored_ledger_counts_fold_the_state_batch_by_batch(warehouse, monkeypatch):
+    # A row per (ledger, transaction) in several files; folded a batch at a time with partial
+    # results folded again every row (FOLD_ROWS 1), it still gives each ledger's sum and max.
+    from txn_engine import delta_io
+    from txn_engine.buffer_incremental import stored_ledger_counts
+    from txn_engine.schema import BUFFER_LEDGER_TXNS_SCHEMA, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA
+
+    def row(topic, ledger, txn, count, last):
+        return {"topic": topic, "ledger_id": ledger, "txn_most_bits": None if txn is None else 0, "txn_least_bits": txn,
+                "entry_count": count, "last_entry_id": last, "marker_count": 0, "duplicate_count": 0}
+
+    tables = DeltaTables(warehouse)
+    assert stored_ledger_counts(warehouse) == {}  # no state
+    tables.overwrite(BUFFER_SEQUENCE_RANGES, [], BUFFER_SEQUENCE_RANGES_SCHEMA)  # with it, the state is current
+    tables.append(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA,
+                  [row("a", 1, None, 3, 2), row("a", 1, 7, 2, 4), row("b", 1, 7, 1, 0)])
+    tables.append(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, [row("a", 1, 8, 1, 3), row("a", 2, None, 5, 4)])
+    monkeypatch.setattr(delta_io, "FOLD_ROWS", 1)
+    assert stored_ledger_counts(warehouse) == {("a", 1): (6, 4), ("b", 1): (1, 0), ("a", 2): (5, 4)}

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -152,6 +152,51 @@ def scan(dataset: pyarrow.dataset.Dataset, pushed: pc.Expression | None = None, 
     if on_rows is not None:
         rows = rows.filter(on_rows)
     return rows if columns is None else rows.select(list(columns))
+
+
+def aggregate(table: pa.Table | pa.RecordBatch, keys: Sequence[str], aggregations: Sequence[tuple[str, str, str]]) -> pa.Table:
+    """`table` grouped by `keys`, with a column `name` per (column, op, name) of `aggregations`
+    (pyarrow's hash `op` of `column`); no aggregation: the distinct keys."""
+    table = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
+    grouped = table.group_by(list(keys), use_threads=False).aggregate([(column, op) for column, op, _ in aggregations])
+    return grouped.select([*keys, *(f"{column}_{op}" for column, op, _ in aggregations)]).rename_columns(
+        [*keys, *(name for _, _, name in aggregations)])
+
+
+# How an aggregate's partial results combine: a count of counts is their sum.
+_FOLD_OP = {"sum": "sum", "min": "min", "max": "max", "count": "sum"}
+# Partial results folded together once they come to this many rows (or to the groups folded so far).
+FOLD_ROWS = 1 << 16
+
+
+def aggregate_batches(batches: Iterable[pa.RecordBatch | pa.Table], keys: Sequence[str],
+                      aggregations: Sequence[tuple[str, str, str]], partials: Iterable[pa.Table] = ()) -> pa.Table | None:
+    """`aggregate` over all `batches` as if they were one table, reading them one at a time; None
+    when there is no row. `partials`: results already aggregated (columns `keys` and the names)
+    to fold in.
+
+    Bounded: it holds the groups (a row per key) and the partial results of the batches since its
+    last fold, which it folds once they outgrow the groups, never the rows.
+    """
+    folds = [(name, _FOLD_OP[op], name) for _, op, name in aggregations]
+    folded: pa.Table | None = None
+    pending: list[pa.Table] = []
+    pending_rows = 0
+
+    def fold() -> pa.Table:
+        return aggregate(pa.concat_tables(([folded] if folded is not None else []) + pending), keys, folds)
+
+    for part in _partials(batches, keys, aggregations, partials):
+        pending.append(part)
+        pending_rows += part.num_rows
+        if pending_rows >= max(FOLD_ROWS, 0 if folded is None else folded.num_rows):
+            folded, pending, pending_rows = fold(), [], 0
+    return fold() if pending else folded
+
+
+def _partials(batches, keys, aggregations, partials) -> Iterator[pa.Table]:
+    yield from (p for p in partials if p.num_rows)
+    yield from (aggregate(b, keys, aggregations) for b in batches if b.num_rows)
 
 
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
