@@ -74,7 +74,7 @@ from txn_engine.buffer_incremental import (
     state_is_current,
     state_ledger_counts,
 )
-from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY
+from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, ledger_filter
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
 from txn_engine.buffer_spark import TopicFacts, facts_of_log, facts_of_state
 from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
@@ -468,20 +468,24 @@ class RecordedBufferTables:
     stable_rows: list[dict]  # stable_positions at its recorded version, a row per topic
 
     def state_of(self, ledgers: list[LedgerKey]) -> tuple[pa.Table, pa.Table]:
-        """The state's rows of these ledgers and the transactions' first markers, by delta-rs
-        (narrow; a row per ledger and transaction: held in the driver for the ledgers of one run)."""
+        """The state's rows of these ledgers and their transactions' first markers, by delta-rs
+        (narrow; a row per ledger and transaction of the ledgers of one run: what the driver holds,
+        the markers read for those transactions only, not the whole `txn_markers`)."""
         tables = DeltaTables(self.wh)
         ids = pa.array(sorted({ledger for _, ledger in ledgers}), pa.int64())
         state = tables.dataset(BUFFER_LEDGER_TXNS, self.state_version).to_table(
             columns=["topic", "ledger_id", *TXN_KEY[1:], "entry_count", "last_entry_id", "marker_count", "duplicate_count"],
-            filter=pc.field("ledger_id").isin(ids),
+            filter=ledger_filter(ids),
         )
         wanted = pa.table({"topic": [t for t, _ in ledgers], "ledger_id": pa.array([l for _, l in ledgers], pa.int64())})
         state = state.join(wanted, keys=["topic", "ledger_id"], join_type="left semi")  # ledger ids repeat across topics
+        txns = state.filter(pc.is_valid(state["txn_least_bits"])).select(TXN_KEY)
         markers = tables.dataset(TXN_MARKERS, self.versions[TXN_MARKERS]).to_table(
-            columns=[*TXN_KEY, "outcome", "ledger_id", "entry_id"]
+            columns=[*TXN_KEY, "outcome", "ledger_id", "entry_id"],
+            filter=pc.field("txn_least_bits").isin(pc.unique(txns["txn_least_bits"])),
         )
-        return state, markers
+        # The topic (a string: not pushed down, `delta_io.scan`) and the whole id, on the rows read.
+        return state, markers.join(txns, keys=list(TXN_KEY), join_type="left semi")
 
 
 def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables | None:
