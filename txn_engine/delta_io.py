@@ -307,12 +307,17 @@ class DeltaTables:
     def dataset(self, table: str, version: int | None = None) -> pyarrow.dataset.Dataset:
         """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches;
         `Warehouse.missing`'s error when the table does not exist."""
+        return self.snapshot(table, version).to_pyarrow_dataset()
+
+    def snapshot(self, table: str, version: int | None = None) -> DeltaTable:
+        """The table's delta-rs handle at `version` (else the latest), not to be written through;
+        `Warehouse.missing`'s error when the table does not exist."""
         handle = self._handle(table)
         if handle is None:
             raise self.warehouse.missing(table)
         if version is not None and version != handle.version():
             handle = DeltaTable(self.warehouse.path(table), version=version)  # the cached handle stays at the latest
-        return handle.to_pyarrow_dataset()
+        return handle
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
         """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""
