@@ -319,6 +319,23 @@ def test_fits_driver_bounds_rows_by_their_bytes(spark):
     assert not fits_driver(three.limit(0), NARROW_ROW_BYTES - 1) and fits_driver(three.limit(0), NARROW_ROW_BYTES)
 
 
+def test_a_local_frame_reaches_spark_as_arrow_without_python_workers(spark):
+    from txn_engine.delta_io import local_frame
+    from txn_engine.schema import STABLE_POSITIONS_SCHEMA
+
+    schema = "topic string, _id long, _count int"
+    rows = [("a", 1, 2), ("b", None, 3)]
+    frame_ = local_frame(spark, rows, schema)
+    # A scan of rows the plan holds; a list's frame scans a Python RDD (its executors unpickle it).
+    assert frame_._jdf.queryExecution().executedPlan().toString().startswith("LocalTableScan")
+    assert "LocalTableScan" not in spark.createDataFrame(rows, schema)._jdf.queryExecution().executedPlan().toString()
+    assert frame_.collect() == spark.createDataFrame(rows, schema).collect()
+    stable = [{"topic": "t", "max_read_ledger_id": 1, "max_read_entry_id": 0, "last_ledger_id": 1, "last_entry_id": 0,
+               "ongoing_txn_count": 0}]
+    assert local_frame(spark, stable, STABLE_POSITIONS_SCHEMA).schema == STABLE_POSITIONS_SCHEMA
+    assert local_frame(spark, [], STABLE_POSITIONS_SCHEMA).count() == 0
+
+
 def snapshot_of_reference(entries: list[LogEntry]) -> dict[str, list[tuple]]:
     ref = reference_rows(entries)
     return {TXN_MARKERS: [r for rows in ref["txn_markers"].values() for r in rows],

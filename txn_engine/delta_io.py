@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,7 +34,7 @@ import pyarrow.dataset
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.transaction import PostCommitHookProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
@@ -91,6 +91,15 @@ def fits_driver(frame: DataFrame, max_bytes: int = DRIVER_WRITE_MAX_BYTES, row_b
     Spark job, a count (cheap on a cached frame, as the buffer's facts are), unless a bound below
     one row answers without it."""
     return max_bytes >= row_bytes and frame.count() * row_bytes <= max_bytes
+
+
+def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any] | Mapping[str, Any]], schema: T.StructType | str) -> DataFrame:
+    """A DataFrame of rows made in the driver (tuples in `schema`'s order, or dicts), sent to Spark
+    as Arrow: `createDataFrame` of a Python list makes the executors start Python workers to
+    unpickle them."""
+    struct = schema if isinstance(schema, T.StructType) else T.StructType.fromDDL(schema)
+    dicts = [r if isinstance(r, Mapping) else dict(zip(struct.fieldNames(), r)) for r in rows]
+    return spark.createDataFrame(pa.Table.from_pylist(dicts, arrow_schema(struct)), struct)
 
 
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,

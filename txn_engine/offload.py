@@ -63,7 +63,7 @@ from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame, Row
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_incremental import (
@@ -77,7 +77,7 @@ from txn_engine.buffer_incremental import (
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, ledger_filter
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
 from txn_engine.buffer_spark import TopicFacts, facts_of_log, facts_of_state
-from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
+from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate, local_frame
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
 from txn_engine.positions import Position
@@ -376,16 +376,17 @@ def offload_ledgers(
     # Collected once (a row per ledger) and used as a small local frame by both steps below.
     catalog_rows = ledger_ranges_catalog(wh, log_version).select(
         "topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"
-    ).collect()
-    catalog_now = wh.spark.createDataFrame(
-        catalog_rows, "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long"
+    ).toArrow().to_pylist()
+    catalog_now = local_frame(
+        wh.spark, catalog_rows,
+        "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long",
     )
     lap("catalog")
     state_version = _state_version(wh, catalog_now)
     recorded = None if state_version is None else _recorded_tables(wh, state_version)
     facts = None
     if recorded is not None:
-        stable = wh.spark.createDataFrame(recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
+        stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
     else:
         facts = facts_of_log(entries) if state_version is None else _facts_from_state(wh, state_version)
         stable = facts.stable
@@ -538,7 +539,7 @@ class _Copy:
     wh: Warehouse
     entries: DataFrame  # the pinned ledger_entries
     targets: list[LedgerKey]
-    ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
+    ranges: dict[LedgerKey, dict]  # the pinned catalog's rows
     facts: TopicFacts | None
     recorded: RecordedBufferTables | None
     broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
@@ -599,7 +600,7 @@ class _Copy:
         return decided_txns(self.facts.txns, self.broadcast_max_bytes)
 
 
-def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, Row], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
+def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, dict], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
     """`entry_size_bytes` summed per ledger: the `ledgers` catalog's `size_bytes` where its row
     has the pinned range and count (entries are only ever appended to a ledger, and retention
     removes whole ledgers, so the same range and count are the same entries), the others summed
