@@ -319,6 +319,23 @@ def test_fits_driver_bounds_rows_by_their_bytes(spark):
     assert not fits_driver(three.limit(0), NARROW_ROW_BYTES - 1) and fits_driver(three.limit(0), NARROW_ROW_BYTES)
 
 
+def test_a_local_frame_reaches_spark_as_arrow_without_python_workers(spark):
+    from txn_engine.delta_io import local_frame
+    from txn_engine.schema import STABLE_POSITIONS_SCHEMA
+
+    schema = "topic string, _id long, _count int"
+    rows = [("a", 1, 2), ("b", None, 3)]
+    frame_ = local_frame(spark, rows, schema)
+    # A scan of rows the plan holds; a list's frame scans a Python RDD (its executors unpickle it).
+    assert frame_._jdf.queryExecution().executedPlan().toString().startswith("LocalTableScan")
+    assert "LocalTableScan" not in spark.createDataFrame(rows, schema)._jdf.queryExecution().executedPlan().toString()
+    assert frame_.collect() == spark.createDataFrame(rows, schema).collect()
+    stable = [{"topic": "t", "max_read_ledger_id": 1, "max_read_entry_id": 0, "last_ledger_id": 1, "last_entry_id": 0,
+               "ongoing_txn_count": 0}]
+    assert local_frame(spark, stable, STABLE_POSITIONS_SCHEMA).schema == STABLE_POSITIONS_SCHEMA
+    assert local_frame(spark, [], STABLE_POSITIONS_SCHEMA).count() == 0
+
+
 def snapshot_of_reference(entries: list[LogEntry]) -> dict[str, list[tuple]]:
     ref = reference_rows(entries)
     return {TXN_MARKERS: [r for rows in ref["txn_markers"].values() for r in rows],
@@ -472,3 +489,24 @@ def test_closed_ledgers_behind_the_state_follow_the_catalog_rules():
     assert closed == {("a", 1): (10, 9), ("a", 2): (5, 4), ("b", 5): (8, 7), ("c", 7): (4, 3)}
     assert ledgers_behind(closed, state) == {("a", 2): (5, 4), ("c", 7): (4, 3)}
     assert ledgers_behind(closed, {}) == closed
+
+
+def test_stored_ledger_counts_fold_the_state_batch_by_batch(warehouse, monkeypatch):
+    # A row per (ledger, transaction) in several files; folded a batch at a time with partial
+    # results folded again every row (FOLD_ROWS 1), it still gives each ledger's sum and max.
+    from txn_engine import delta_io
+    from txn_engine.buffer_incremental import stored_ledger_counts
+    from txn_engine.schema import BUFFER_LEDGER_TXNS_SCHEMA, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA
+
+    def row(topic, ledger, txn, count, last):
+        return {"topic": topic, "ledger_id": ledger, "txn_most_bits": None if txn is None else 0, "txn_least_bits": txn,
+                "entry_count": count, "last_entry_id": last, "marker_count": 0, "duplicate_count": 0}
+
+    tables = DeltaTables(warehouse)
+    assert stored_ledger_counts(warehouse) == {}  # no state
+    tables.overwrite(BUFFER_SEQUENCE_RANGES, [], BUFFER_SEQUENCE_RANGES_SCHEMA)  # with it, the state is current
+    tables.append(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA,
+                  [row("a", 1, None, 3, 2), row("a", 1, 7, 2, 4), row("b", 1, 7, 1, 0)])
+    tables.append(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, [row("a", 1, 8, 1, 3), row("a", 2, None, 5, 4)])
+    monkeypatch.setattr(delta_io, "FOLD_ROWS", 1)
+    assert stored_ledger_counts(warehouse) == {("a", 1): (6, 4), ("b", 1): (1, 0), ("a", 2): (5, 4)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from pyspark.sql import Row
 
 from tests.rows import entry
@@ -104,3 +105,48 @@ def test_ledger_ranges_and_the_offload_without_a_log_say_what_to_do(warehouse):
     for call in (lambda: ledger_ranges(warehouse), lambda: ledger_ranges(warehouse, 0), lambda: offload_ledgers(warehouse)):
         with pytest.raises(TableMissingError, match="table ledger_entries does not exist yet .*`txnlake ingest FILE`"):
             call()
+
+
+# Longer than the 32 characters of a string Spark's Delta statistics keep.
+LONG_TOPIC = "persistent://public/default/orders-partition-0"
+
+
+@pytest.mark.parametrize("layout", ["a ledger a file", "ledgers mixed in files"])
+def test_ledger_ranges_from_statistics_equal_a_full_scan(warehouse, spark, layout):
+    from deltalake import DeltaTable
+
+    from tests.buffer_histories import frame
+    from txn_engine.delta_io import DeltaTables, aggregate
+    from txn_engine.ledgers import RANGES_SCHEMA, ledger_ranges, single_ledger_files
+    from txn_engine.log_types import LogEntry
+    from txn_engine.schema import LEDGER_ENTRIES
+
+    def ledger(topic, ledger_id, entry_ids):
+        return [LogEntry(topic, ledger_id, k, "DATA") for k in entry_ids]
+
+    # a/1 goes on in a later file; b/7 starts at entry 2 (ranges, not counts from 0).
+    files = [ledger("a", 1, range(5)), ledger("a", 2, range(3)), ledger("b", 7, range(2, 6)), ledger(LONG_TOPIC, 3, range(4)),
+             ledger("a", 1, range(5, 8))]
+    if layout == "ledgers mixed in files":
+        files = [[e for f in files[:3] for e in f], files[3], files[4] + ledger("b", 8, range(2))]
+    for rows in files:
+        frame(spark, rows).coalesce(1).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+
+    def full_scan(version):
+        rows = DeltaTables(warehouse).dataset(LEDGER_ENTRIES, version).to_table(columns=["topic", "ledger_id", "entry_id"])
+        folded = aggregate(rows, ["topic", "ledger_id"], [("entry_id", "min", "first_entry_id"),
+                                                          ("entry_id", "max", "last_entry_id"), ("entry_id", "count", "entry_count")])
+        return folded.cast(RANGES_SCHEMA).sort_by([("topic", "ascending"), ("ledger_id", "ascending")])
+
+    for version in (*range(len(files)), None):
+        assert ledger_ranges(warehouse, version) == full_scan(version), version
+    stated, unstated = single_ledger_files(DeltaTable(warehouse.path(LEDGER_ENTRIES)))
+    if layout == "a ledger a file":
+        # Every file but the long topic's (its statistics are cut short) counted without reading it.
+        assert sorted(stated["ledger_id"].to_pylist()) == [1, 1, 2, 7]
+        assert unstated.count_rows() == 4
+    else:
+        # Two files mix ledgers, the third is the long topic's: all read.
+        assert stated.num_rows == 0 and unstated.count_rows() == sum(map(len, files))
+    assert ledger_ranges(warehouse).to_pylist()[0] == {"topic": "a", "ledger_id": 1, "first_entry_id": 0,
+                                                      "last_entry_id": 7, "entry_count": 8}

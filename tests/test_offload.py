@@ -14,6 +14,7 @@ from pyspark.sql import functions as F
 
 from txn_engine.ingest import ingest_files
 from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.buffer_arrow import TXN_KEY
 from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES
 from txn_engine.buffer_spark import facts_of_log
@@ -222,6 +223,14 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     assert recorded.versions == {t: warehouse.version(t) for t in (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)}
     from_log = facts_of_log(entries)
     assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(from_log.stable_positions)
+    # The state's rows of the ledgers asked for, and the markers of their transactions only.
+    state, markers = recorded.state_of([("w", 20)])
+    assert set(state["ledger_id"].to_pylist()) == {20} and set(state["topic"].to_pylist()) == {"w"}
+    txns = {k for k in zip(*(state[c].to_pylist() for c in TXN_KEY)) if k[2] is not None}
+    columns = [*TXN_KEY, "outcome", "ledger_id", "entry_id"]
+    every_marker = rows_of(warehouse.read(TXN_MARKERS).select(*columns))
+    assert sorted(zip(*(markers[c].to_pylist() for c in columns))) == [r for r in every_marker if r[:3] in txns]
+    assert 0 < markers.num_rows < len(every_marker)
     # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
     assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
     assert rows_of(from_state.duplicates) == rows_of(from_log.duplicates)

@@ -80,3 +80,42 @@ def test_recovery_reads_only_the_files_after_the_snapshots(warehouse, spark):
     pruned = files_from_ledger(DeltaTable(warehouse.path(LEDGER_ENTRIES)), 106)
     assert {Path(f.path).name for f in pruned.get_fragments()} == {
         Path(urlparse(r.f).path).name for r in by_file if r.hi >= 106}
+
+
+def test_the_log_topics_come_from_a_fresh_catalog_else_from_the_log_batch_by_batch(warehouse, spark):
+    from txn_engine.delta_io import DeltaTables, overwrite_small
+    from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog
+    from txn_engine.schema import DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, LEDGERS
+    from txn_engine.snapshot_recovery import _log_topics
+
+    class Unread:
+        def to_pyarrow_dataset(self, **_):
+            raise AssertionError("the log's topic column was read")
+
+    def log():
+        return DeltaTable(warehouse.path(LEDGER_ENTRIES))
+
+    def materialize_catalog():
+        sources = catalog_source_versions(warehouse)
+        overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse), commit_metadata=sources)
+
+    entries = [LogEntry(t, ledger, k, "DATA") for t, ledger in (("a", 1), ("a", 2), ("b", 3), ("c", 4)) for k in range(2)]
+    warehouse.overwrite(LEDGER_ENTRIES, frame(spark, entries))
+    assert _log_topics(warehouse, log()) == {"a", "b", "c"}  # no catalog
+    materialize_catalog()
+    assert _log_topics(warehouse, Unread()) == {"a", "b", "c"}
+    # c's only ledger recorded DELETED: the catalog is stale, so the log tells; once the catalog is
+    # fresh again, c (DELETED ledgers only) is looked up in its ledger's files, where it still is.
+    record_ledger_states(warehouse, [("c", 4, "DELETED", "retention")])
+    assert _log_topics(warehouse, log()) == {"a", "b", "c"}
+    materialize_catalog()
+    assert _log_topics(warehouse, log()) == {"a", "b", "c"}
+    # Then its entries go (deleted_ledgers keeps its row, so the catalog still lists it DELETED).
+    gone = [{**r, "deleted_at": r["updated_at"]} for r in DeltaTables(warehouse).dataset(LEDGERS).to_table().to_pylist()
+            if r["topic"] == "c"]
+    DeltaTables(warehouse).append(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, gone)
+    warehouse.delete(LEDGER_ENTRIES, "topic = 'c'")
+    assert _log_topics(warehouse, log()) == {"a", "b"}
+    materialize_catalog()
+    assert ("c", "DELETED") in {(r["topic"], r["state"]) for r in DeltaTables(warehouse).dataset(LEDGERS).to_table().to_pylist()}
+    assert _log_topics(warehouse, log()) == {"a", "b"}

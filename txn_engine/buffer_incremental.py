@@ -73,6 +73,7 @@ from typing import Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset
 from delta.tables import DeltaTable
 from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
@@ -80,6 +81,7 @@ from pyspark.sql import functions as F
 from txn_engine import buffer_arrow, buffer_spark
 from txn_engine.buffer_arrow import VIOLATIONS, require_ledger_entries
 from txn_engine.delta_io import (
+    aggregate_batches,
     arrow_schema,
     DeltaTables,
     fits_driver,
@@ -305,28 +307,35 @@ class ScopePlan(NamedTuple):
 LedgerCounts = dict[tuple[str, int], tuple[int, int]]  # (topic, ledger_id) -> (entry_count, last_entry_id)
 
 
-def state_ledger_counts(ledger_txns: DataFrame | pa.Table) -> LedgerCounts:
+def state_ledger_counts(ledger_txns: DataFrame | pa.Table | pyarrow.dataset.Dataset) -> LedgerCounts:
     """What `buffer_ledger_txns` says each ledger holds, folded to one row per ledger.
 
-    From Arrow (the table read by delta-rs: no Spark job) or from a DataFrame (a version the
-    caller pinned, as the offloader does).
+    From Arrow (a table, or a dataset delta-rs opened, read batch by batch: no Spark job) or from a
+    DataFrame (a version the caller pinned). Bounded: the driver holds a row per ledger and one
+    batch, never the table's row per transaction (`aggregate_batches`).
     """
-    if isinstance(ledger_txns, pa.Table):
-        folded = ledger_txns.group_by(["topic", "ledger_id"]).aggregate([("entry_count", "sum"), ("last_entry_id", "max")])
-        columns = [folded.column(c).to_pylist() for c in ("topic", "ledger_id", "entry_count_sum", "last_entry_id_max")]
-        return {(t, ledger): (n, last) for t, ledger, n, last in zip(*columns)}
-    folded = ledger_txns.groupBy("topic", "ledger_id").agg(
-        F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id")
-    )
-    return {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in folded.collect()}
+    if isinstance(ledger_txns, DataFrame):
+        folded = ledger_txns.groupBy("topic", "ledger_id").agg(
+            F.sum("entry_count").alias("entry_count"), F.max("last_entry_id").alias("last_entry_id")
+        )
+        return {(r.topic, r.ledger_id): (r.entry_count, r.last_entry_id) for r in folded.collect()}
+    batches = (ledger_txns.to_batches() if isinstance(ledger_txns, pa.Table)
+               else ledger_txns.to_batches(columns=LEDGER_COUNT_COLUMNS))
+    folded = aggregate_batches(batches, ["topic", "ledger_id"],
+                               [("entry_count", "sum", "entry_count"), ("last_entry_id", "max", "last_entry_id")])
+    if folded is None:
+        return {}
+    columns = [folded.column(c).to_pylist() for c in LEDGER_COUNT_COLUMNS]
+    return {(t, ledger): (n, last) for t, ledger, n, last in zip(*columns)}
 
 
 def stored_ledger_counts(wh: Warehouse) -> LedgerCounts:
-    """`state_ledger_counts` of the state as stored, read by delta-rs (no Spark job); empty without a
-    current state (`state_is_current`): then the state holds no ledger."""
+    """`state_ledger_counts` of the state as stored, read by delta-rs batch by batch (no Spark job,
+    a row per ledger held); empty without a current state (`state_is_current`): then the state
+    holds no ledger."""
     if not state_is_current(wh):
         return {}
-    return state_ledger_counts(DeltaTables(wh).read(BUFFER_LEDGER_TXNS, BUFFER_LEDGER_TXNS_SCHEMA, LEDGER_COUNT_COLUMNS))
+    return state_ledger_counts(DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS))
 
 
 def plan_scope(inventory: DataFrame | pa.Table, known: LedgerCounts, requested: Iterable[int]) -> ScopePlan:

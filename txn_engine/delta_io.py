@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -34,7 +34,7 @@ import pyarrow.dataset
 from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.transaction import PostCommitHookProperties
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import types as T
 
 from txn_engine.warehouse import Warehouse, retry_delta_conflicts
@@ -91,6 +91,15 @@ def fits_driver(frame: DataFrame, max_bytes: int = DRIVER_WRITE_MAX_BYTES, row_b
     Spark job, a count (cheap on a cached frame, as the buffer's facts are), unless a bound below
     one row answers without it."""
     return max_bytes >= row_bytes and frame.count() * row_bytes <= max_bytes
+
+
+def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any] | Mapping[str, Any]], schema: T.StructType | str) -> DataFrame:
+    """A DataFrame of rows made in the driver (tuples in `schema`'s order, or dicts), sent to Spark
+    as Arrow: `createDataFrame` of a Python list makes the executors start Python workers to
+    unpickle them."""
+    struct = schema if isinstance(schema, T.StructType) else T.StructType.fromDDL(schema)
+    dicts = [r if isinstance(r, Mapping) else dict(zip(struct.fieldNames(), r)) for r in rows]
+    return spark.createDataFrame(pa.Table.from_pylist(dicts, arrow_schema(struct)), struct)
 
 
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,
@@ -152,6 +161,51 @@ def scan(dataset: pyarrow.dataset.Dataset, pushed: pc.Expression | None = None, 
     if on_rows is not None:
         rows = rows.filter(on_rows)
     return rows if columns is None else rows.select(list(columns))
+
+
+def aggregate(table: pa.Table | pa.RecordBatch, keys: Sequence[str], aggregations: Sequence[tuple[str, str, str]]) -> pa.Table:
+    """`table` grouped by `keys`, with a column `name` per (column, op, name) of `aggregations`
+    (pyarrow's hash `op` of `column`); no aggregation: the distinct keys."""
+    table = pa.Table.from_batches([table]) if isinstance(table, pa.RecordBatch) else table
+    grouped = table.group_by(list(keys), use_threads=False).aggregate([(column, op) for column, op, _ in aggregations])
+    return grouped.select([*keys, *(f"{column}_{op}" for column, op, _ in aggregations)]).rename_columns(
+        [*keys, *(name for _, _, name in aggregations)])
+
+
+# How an aggregate's partial results combine: a count of counts is their sum.
+_FOLD_OP = {"sum": "sum", "min": "min", "max": "max", "count": "sum"}
+# Partial results folded together once they come to this many rows (or to the groups folded so far).
+FOLD_ROWS = 1 << 16
+
+
+def aggregate_batches(batches: Iterable[pa.RecordBatch | pa.Table], keys: Sequence[str],
+                      aggregations: Sequence[tuple[str, str, str]], partials: Iterable[pa.Table] = ()) -> pa.Table | None:
+    """`aggregate` over all `batches` as if they were one table, reading them one at a time; None
+    when there is no row. `partials`: results already aggregated (columns `keys` and the names)
+    to fold in.
+
+    Bounded: it holds the groups (a row per key) and the partial results of the batches since its
+    last fold, which it folds once they outgrow the groups, never the rows.
+    """
+    folds = [(name, _FOLD_OP[op], name) for _, op, name in aggregations]
+    folded: pa.Table | None = None
+    pending: list[pa.Table] = []
+    pending_rows = 0
+
+    def fold() -> pa.Table:
+        return aggregate(pa.concat_tables(([folded] if folded is not None else []) + pending), keys, folds)
+
+    for part in _partials(batches, keys, aggregations, partials):
+        pending.append(part)
+        pending_rows += part.num_rows
+        if pending_rows >= max(FOLD_ROWS, 0 if folded is None else folded.num_rows):
+            folded, pending, pending_rows = fold(), [], 0
+    return fold() if pending else folded
+
+
+def _partials(batches, keys, aggregations, partials) -> Iterator[pa.Table]:
+    yield from (p for p in partials if p.num_rows)
+    yield from (aggregate(b, keys, aggregations) for b in batches if b.num_rows)
 
 
 DEFAULT_CHECKPOINT_INTERVAL = 100  # the Delta protocol's default `delta.checkpointInterval`
@@ -262,12 +316,17 @@ class DeltaTables:
     def dataset(self, table: str, version: int | None = None) -> pyarrow.dataset.Dataset:
         """The table (at `version`, else the latest) as a pyarrow dataset, to scan in batches;
         `Warehouse.missing`'s error when the table does not exist."""
+        return self.snapshot(table, version).to_pyarrow_dataset()
+
+    def snapshot(self, table: str, version: int | None = None) -> DeltaTable:
+        """The table's delta-rs handle at `version` (else the latest), not to be written through;
+        `Warehouse.missing`'s error when the table does not exist."""
         handle = self._handle(table)
         if handle is None:
             raise self.warehouse.missing(table)
         if version is not None and version != handle.version():
             handle = DeltaTable(self.warehouse.path(table), version=version)  # the cached handle stays at the latest
-        return handle.to_pyarrow_dataset()
+        return handle
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
         """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""

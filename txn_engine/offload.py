@@ -63,11 +63,10 @@ from typing import Callable, Iterable
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import Column, DataFrame, Row
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from txn_engine.buffer_incremental import (
-    LEDGER_COUNT_COLUMNS,
     RECORDED_TABLES,
     inventory_of,
     plan_scope,
@@ -75,10 +74,10 @@ from txn_engine.buffer_incremental import (
     state_is_current,
     state_ledger_counts,
 )
-from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY
+from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, ledger_filter
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
 from txn_engine.buffer_spark import BufferTables, facts_of_log, facts_of_state
-from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
+from txn_engine.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate, local_frame
 from txn_engine.errors import TxnlakeError
 from txn_engine.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
 from txn_engine.positions import Position
@@ -377,16 +376,17 @@ def offload_ledgers(
     # Collected once (a row per ledger) and used as a small local frame by both steps below.
     catalog_rows = ledger_ranges_catalog(wh, log_version).select(
         "topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"
-    ).collect()
-    catalog_now = wh.spark.createDataFrame(
-        catalog_rows, "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long"
+    ).toArrow().to_pylist()
+    catalog_now = local_frame(
+        wh.spark, catalog_rows,
+        "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long",
     )
     lap("catalog")
     state_version = _state_version(wh, catalog_now)
     recorded = None if state_version is None else _recorded_tables(wh, state_version)
     facts = None
     if recorded is not None:
-        stable = wh.spark.createDataFrame(recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
+        stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
     else:
         facts = facts_of_log(entries) if state_version is None else _facts_from_state(wh, state_version)
         stable = facts.stable_positions
@@ -449,9 +449,10 @@ def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
     if not (state_is_current(wh) and wh.exists(BUFFER_DUPLICATES)):
         return None
     state_version = wh.version(BUFFER_LEDGER_TXNS)
-    # The check reads four narrow columns by delta-rs (no Spark job: 4-5 s in a fresh JVM).
-    counts = DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version).to_table(columns=LEDGER_COUNT_COLUMNS)
-    plan = plan_scope(inventory_of(catalog), state_ledger_counts(counts), ())
+    # The check folds four narrow columns read by delta-rs batch by batch (no Spark job: 4-5 s in a
+    # fresh JVM; a row per ledger held, not a row per transaction).
+    counts = state_ledger_counts(DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version))
+    plan = plan_scope(inventory_of(catalog), counts, ())
     return None if plan.ledgers else state_version
 
 
@@ -468,20 +469,24 @@ class RecordedBufferTables:
     stable_rows: list[dict]  # stable_positions at its recorded version, a row per topic
 
     def state_of(self, ledgers: list[LedgerKey]) -> tuple[pa.Table, pa.Table]:
-        """The state's rows of these ledgers and the transactions' first markers, by delta-rs
-        (narrow; a row per ledger and transaction: held in the driver for the ledgers of one run)."""
+        """The state's rows of these ledgers and their transactions' first markers, by delta-rs
+        (narrow; a row per ledger and transaction of the ledgers of one run: what the driver holds,
+        the markers read for those transactions only, not the whole `txn_markers`)."""
         tables = DeltaTables(self.wh)
         ids = pa.array(sorted({ledger for _, ledger in ledgers}), pa.int64())
         state = tables.dataset(BUFFER_LEDGER_TXNS, self.state_version).to_table(
             columns=["topic", "ledger_id", *TXN_KEY[1:], "entry_count", "last_entry_id", "marker_count", "duplicate_count"],
-            filter=pc.field("ledger_id").isin(ids),
+            filter=ledger_filter(ids),
         )
         wanted = pa.table({"topic": [t for t, _ in ledgers], "ledger_id": pa.array([l for _, l in ledgers], pa.int64())})
         state = state.join(wanted, keys=["topic", "ledger_id"], join_type="left semi")  # ledger ids repeat across topics
+        txns = state.filter(pc.is_valid(state["txn_least_bits"])).select(TXN_KEY)
         markers = tables.dataset(TXN_MARKERS, self.versions[TXN_MARKERS]).to_table(
-            columns=[*TXN_KEY, "outcome", "ledger_id", "entry_id"]
+            columns=[*TXN_KEY, "outcome", "ledger_id", "entry_id"],
+            filter=pc.field("txn_least_bits").isin(pc.unique(txns["txn_least_bits"])),
         )
-        return state, markers
+        # The topic (a string: not pushed down, `delta_io.scan`) and the whole id, on the rows read.
+        return state, markers.join(txns, keys=list(TXN_KEY), join_type="left semi")
 
 
 def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables | None:
@@ -534,7 +539,7 @@ class _Copy:
     wh: Warehouse
     entries: DataFrame  # the pinned ledger_entries
     targets: list[LedgerKey]
-    ranges: dict[LedgerKey, Row]  # the pinned catalog's rows
+    ranges: dict[LedgerKey, dict]  # the pinned catalog's rows
     facts: BufferTables | None
     recorded: RecordedBufferTables | None
     broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
@@ -595,7 +600,7 @@ class _Copy:
         return decided_txns(self.facts.txns, self.broadcast_max_bytes)
 
 
-def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, Row], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
+def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, dict], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
     """`entry_size_bytes` summed per ledger: the `ledgers` catalog's `size_bytes` where its row
     has the pinned range and count (entries are only ever appended to a ledger, and retention
     removes whole ledgers, so the same range and count are the same entries), the others summed

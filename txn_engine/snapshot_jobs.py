@@ -36,7 +36,7 @@ from pyspark.sql.types import IntegerType, StringType
 from txn_engine.buffer_arrow import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
 from txn_engine.spark_columns import conform, has_txn, is_marker, position_lt
 from txn_engine.buffer_spark import decide_full
-from txn_engine.delta_io import DeltaTables
+from txn_engine.delta_io import DeltaTables, local_frame
 from txn_engine.ledgers import recorded_deleted_ledgers
 from txn_engine.locks import table_lock
 from txn_engine.schema import (
@@ -235,7 +235,7 @@ def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotCo
     ids = dict(snapshot_ids or {})
     for topic in topics:
         ids.setdefault(topic, secrets.randbits(62) + 1)  # unique per snapshot; order comes from write_seq
-    id_frame = spark.createDataFrame(sorted(ids.items()), "topic string, snapshot_id long").where(F.col("topic").isin(topics))
+    id_frame = local_frame(spark, sorted(ids.items()), "topic string, snapshot_id long").where(F.col("topic").isin(topics))
     segments = snapshot_segments(aborted, stable, id_frame, config).localCheckpoint()
     counts = {r.topic: r.segment_count for r in segments.select("topic", "segment_count").distinct().collect()}
     commits = 0
@@ -286,7 +286,7 @@ def _write_tombstones(warehouse: Warehouse, ids: dict[str, int], counts: dict[st
     """Tombstone every numbered key of the snapshotted topics beyond their new segment count
     whose latest row is not already a tombstone (stale parts of older, longer snapshots)."""
     spark = warehouse.spark
-    new = spark.createDataFrame([(t, ids[t], counts[t]) for t in counts], "topic string, _id long, _count int")
+    new = local_frame(spark, [(t, ids[t], counts[t]) for t in counts], "topic string, _id long, _count int")
     latest = latest_per_key(warehouse.read(TXN_SNAPSHOT_SEGMENTS))
     stale = (
         latest.join(F.broadcast(new), "topic")
@@ -572,7 +572,7 @@ def _anchors(spark, entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> 
     gone = [(r.topic, r._sl) for r in marked.where(F.col("_gone").isNotNull()).select("topic", "_sl").collect()]
     positions = kept
     if gone:
-        bound = spark.createDataFrame(gone, "topic string, _sl long")
+        bound = local_frame(spark, gone, "topic string, _sl long")
         earlier = (
             entries.select("topic", "ledger_id", "entry_id").where(F.col("topic").isin([t for t, _ in gone]))
             .join(F.broadcast(bound), "topic").where(F.col("ledger_id") < F.col("_sl"))

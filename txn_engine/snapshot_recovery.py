@@ -30,8 +30,9 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine import buffer_arrow
-from txn_engine.buffer_arrow import NARROW_COLUMNS
+from txn_engine.buffer_arrow import NARROW_COLUMNS, ledger_filter
 from txn_engine.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
+from txn_engine.ledgers import stale_catalog
 from txn_engine.log_types import EntryType
 from txn_engine.positions import Position
 from txn_engine.schema import (
@@ -41,6 +42,8 @@ from txn_engine.schema import (
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
+    LEDGERS,
+    LEDGERS_SCHEMA,
     RECOVERED_BUFFER_STATE,
     RECOVERED_BUFFER_STATE_SCHEMA,
     STABLE_POSITIONS,
@@ -232,11 +235,26 @@ def _step(seconds: dict[str, float], name: str) -> Iterator[None]:
     seconds[name] = round(time.perf_counter() - started, 3)
 
 
-def _log_topics(log: DeltaTable) -> set[str]:
-    """Every topic of the log, from its `topic` column alone (read dictionary-encoded)."""
+def _log_topics(warehouse: Warehouse, log: DeltaTable) -> set[str]:
+    """Every topic of the log. From the `ledgers` catalog when it is fresh (`stale_catalog`): a row
+    per ledger, and a ledger not DELETED there has entries; a topic with DELETED ledgers only is
+    looked up in the files of those ledgers (retention may have stopped before their entries went).
+    Else from the log's `topic` column, read batch by batch (dictionary-encoded): the driver holds
+    the set of topics and one batch, never the column."""
+    if warehouse.exists(LEDGERS) and stale_catalog(warehouse) is None:
+        catalog = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"])
+        deleted = pc.equal(catalog["state"], "DELETED")
+        topics = set(pc.unique(catalog.filter(pc.invert(deleted))["topic"]).to_pylist())
+        gone = catalog.filter(pc.and_(deleted, pc.invert(pc.is_in(catalog["topic"], pa.array(sorted(topics), pa.string())))))
+        if gone.num_rows:
+            left = scan(log.to_pyarrow_dataset(), ledger_filter(gone["ledger_id"]), ["topic"],
+                        on_rows=ds.field("topic").isin(pc.unique(gone["topic"])))
+            topics.update(pc.unique(left["topic"]).to_pylist())
+        return topics
     dataset = log.to_pyarrow_dataset(parquet_read_options=ds.ParquetReadOptions(dictionary_columns={"topic"}))
     topics: set[str] = set()
-    for chunk in dataset.to_table(columns=["topic"]).column("topic").chunks:
+    for batch in dataset.to_batches(columns=["topic"]):
+        chunk = batch.column(0)
         if isinstance(chunk, pa.DictionaryArray):
             topics.update(chunk.dictionary.take(pc.unique(chunk.indices)).to_pylist())
         else:
@@ -347,7 +365,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
                              "snapshot_id": snap.snapshot_id, "source": Source.SNAPSHOT.value,
                              "fallback_reason": None, "replayed_entries": entries.num_rows})
     with _step(seconds, "topics"):
-        others = sorted(_log_topics(log) - set(usable))
+        others = sorted(_log_topics(warehouse, log) - set(usable))
     if others:
         with _step(seconds, "spark_full_replay"):
             for r in _spark_full_replays(warehouse, others):

@@ -89,7 +89,9 @@ class Warehouse:
         location = path or self.path(table)
         if self.exists(table, location):
             return self.spark.read.format("delta").load(location)
-        return self.spark.createDataFrame([], schema)
+        from txn_engine.delta_io import local_frame  # delta_io imports this module
+
+        return local_frame(self.spark, [], schema)
 
     def version(self, table: str, path: str | None = None) -> int | None:
         location = path or self.path(table)
