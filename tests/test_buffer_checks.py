@@ -92,3 +92,34 @@ def test_the_stable_position_check_compares_the_last_two_versions(spark, warehou
     DeltaTables(warehouse).overwrite(STABLE_POSITIONS, moved, STABLE_POSITIONS_SCHEMA)
     moves = stable_moves_back(warehouse)
     assert len(moves.moved_back) == 1 and moves.moved_back[0].startswith("('t', 1,")
+
+
+def test_the_sequence_check_reads_only_the_ledgers_whose_runs_overlap_the_runs_sequences(spark, warehouse):
+    from txn_engine.buffer_checks import _ledgers_sharing_sequences, _null_epoch_as_value
+
+    append(warehouse, spark, FIRST)
+    refresh(warehouse)
+    append(warehouse, spark, LATER)
+    refresh(warehouse)
+    # Producer 1 (epoch 0) holds sequences 0-1 in ledger 1 and 2-3 in ledger 3. The next run's 4-5
+    # overlap neither, and its sequence 0 without an epoch is another key: only its own ledger is read.
+    append(warehouse, spark, [e(5, 0, producer=1, seq=4), e(5, 1, producer=1, seq=5), e(5, 2, producer=1, seq=0, epoch=None),
+                              e(5, 3, producer=2, seq=0)])
+    assert refresh(warehouse).ledgers == [5]
+    assert committed_once(warehouse).passed
+    tables = DeltaTables(warehouse)
+
+    def ledgers_read() -> list[int]:
+        rows = _null_epoch_as_value(rows_of(warehouse, COMMITTED_ENTRIES, visible_ledger_id=5))
+        return sorted(set(_ledgers_sharing_sequences(tables, rows.filter(pc.is_valid(rows["producer_id"]))).to_pylist()))
+
+    assert ledgers_read() == [5]
+    # A retried send the buffer failed to drop: sequence 2 of producer 1 again, in ledger 5. Its
+    # first copy is in ledger 3, whose run holds sequence 2: read, and the repeat found.
+    first_copy = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=3, entry_id=0)
+    retried = with_values(first_copy, ledger_id=5, entry_id=9, visible_ledger_id=5, visible_entry_id=9,
+                          txn_most_bits=None, txn_least_bits=None)
+    tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, retried)
+    assert ledgers_read() == [3, 5]
+    broken = committed_once(warehouse)
+    assert (broken.duplicate_sequences, broken.duplicate_positions, broken.entries_of_uncommitted_txns) == (1, 0, 0)

@@ -25,11 +25,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
-from txn_engine.buffer_arrow import POSITIONS, SEQUENCE_KEY, TXN_KEY, ledger_filter
+from txn_engine.buffer_arrow import POSITIONS, PRODUCER_KEY, SEQUENCE_KEY, TXN_KEY, ledger_filter
 from txn_engine.buffer_incremental import ALL_LEDGERS, RUN_LEDGERS_KEY
-from txn_engine.delta_io import DeltaTables, scan
+from txn_engine.delta_io import DeltaTables, aggregate, scan
 from txn_engine.log_types import EntryType
-from txn_engine.schema import BUFFER_LEDGER_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.schema import BUFFER_LEDGER_TXNS, BUFFER_SEQUENCE_RANGES, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.warehouse import Warehouse
 
 
@@ -90,6 +90,26 @@ def _repeated(table: pa.Table, keys: list[str]) -> pa.Table:
     return counts.filter(pc.greater(counts["count_all"], 1)).select(keys)
 
 
+def _ledgers_sharing_sequences(tables: DeltaTables, sequenced: pa.Table) -> pa.Array:
+    """The ledgers whose committed rows can repeat a (topic, producer, epoch, sequence) of `sequenced`
+    (the run's rows, epoch as `_null_epoch_as_value`): their own ledgers, and those whose runs in
+    `buffer_sequence_ranges` overlap the run's sequence ids of the same producer and epoch. The
+    state records each kept pair in the runs of the ledger that first held it, so the other copy of
+    a repeated pair lies in one of those: the check reads them, not the producers' whole history."""
+    spans = aggregate(sequenced, PRODUCER_KEY, [("sequence_id", "min", "_low"), ("sequence_id", "max", "_high")])
+    own = sequenced["ledger_id"].combine_chunks()
+    if not spans.num_rows:
+        return own
+    runs = tables.dataset(BUFFER_SEQUENCE_RANGES).to_table(
+        filter=_isin("producer_id", spans["producer_id"]) & (pc.field("last_sequence_id") >= pc.min(spans["_low"]).as_py())
+        & (pc.field("first_sequence_id") <= pc.max(spans["_high"]).as_py()),
+        columns=[*PRODUCER_KEY, "ledger_id", "first_sequence_id", "last_sequence_id"])
+    runs = _null_epoch_as_value(runs).join(spans, PRODUCER_KEY, join_type="inner")
+    overlapping = runs.filter(pc.and_(pc.less_equal(runs["first_sequence_id"], runs["_high"]),
+                                      pc.greater_equal(runs["last_sequence_id"], runs["_low"])))
+    return pa.concat_arrays([own, overlapping["ledger_id"].combine_chunks()])
+
+
 def committed_once(wh: Warehouse) -> CommittedOnce:
     ledgers = last_run_ledgers(wh)
     if ledgers is None:
@@ -104,10 +124,10 @@ def committed_once(wh: Warehouse) -> CommittedOnce:
                    on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
     # The keys that span ledgers: every row of the table that shares one with the run's rows.
     positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
-    sequenced = rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"])))
+    sequenced = _null_epoch_as_value(rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"]))))
     sequences = _null_epoch_as_value(committed.to_table(
-        filter=_isin("producer_id", sequenced["producer_id"]) & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
-    sequenced = _null_epoch_as_value(sequenced)
+        filter=ledger_filter(_ledgers_sharing_sequences(tables, sequenced)) & _isin("producer_id", sequenced["producer_id"])
+        & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
     return CommittedOnce(
         entries_of_uncommitted_txns=txn_rows.select(TXN_KEY).join(commits, TXN_KEY, join_type="left anti").num_rows,
         duplicate_positions=_repeated(positions, POSITIONS).join(rows.select(POSITIONS), POSITIONS, join_type="left semi").num_rows,
