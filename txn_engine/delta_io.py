@@ -193,7 +193,9 @@ def aggregate_batches(batches: Iterable[pa.RecordBatch | pa.Table], keys: Sequen
     pending_rows = 0
 
     def fold() -> pa.Table:
-        return aggregate(pa.concat_tables(([folded] if folded is not None else []) + pending), keys, folds)
+        # "default": a partial from file statistics may say nullable where the batches' column is not.
+        return aggregate(pa.concat_tables(([folded] if folded is not None else []) + pending, promote_options="default"),
+                         keys, folds)
 
     for part in _partials(batches, keys, aggregations, partials):
         pending.append(part)
