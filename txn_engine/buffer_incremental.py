@@ -86,6 +86,7 @@ from txn_engine.delta_io import (
     DeltaTables,
     fits_driver,
     ledger_predicate,
+    local_frame,
     overwrite_small,
     sql_string,
 )
@@ -474,7 +475,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         reads = buffer_spark.state_reads(kept_state, entries, stable_at)
         pending_rows = reads[BUFFER_PENDING_ENTRIES]
         listed = plan.last_entries + plan.retained
-        topics = wh.spark.createDataFrame(pa.table({"topic": pa.array(sorted({t for t, _, _ in listed}), pa.string())}))
+        topics = local_frame(wh.spark, [(t,) for t in sorted({t for t, _, _ in listed})], "topic string")
         decided = buffer_spark.decide_scope(entries, reads, topics, plan.ledgers, stable_at, listed, plan.shadowed,
                                             [(t, ledger) for t, ledger, _ in plan.retained])
     try:
@@ -628,7 +629,7 @@ def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], 
         if backward:
             tables.update(COMMITTED_ENTRIES, {"in_stable_prefix": "false"}, rows("true", below=False))
         return
-    source = wh.spark.createDataFrame([(t, l, e) for t, l, e, _ in moved], "topic string, _sl long, _se long")
+    source = local_frame(wh.spark, [(t, l, e) for t, l, e, _ in moved], "topic string, _sl long, _se long")
     at_or_below = "(t.ledger_id < s._sl OR (t.ledger_id = s._sl AND t.entry_id <= s._se))"
     not_rewritten = f"NOT ({ledger_ids_predicate('t.visible_ledger_id', rewritten)})"
     with wh.writer(COMMITTED_ENTRIES):
