@@ -54,6 +54,19 @@ VIOLATIONS = tuple(v.value for v in Violation)
 # The only columns the rules read; the rest (payload above all) is selected by the caller.
 NARROW_COLUMNS = ("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits",
                   "producer_id", "producer_epoch", "sequence_id")
+# Every table a buffer run writes, and the ones of them without entry rows (a row per
+# transaction and ledger at most, per topic, producer and ledger, or per topic).
+TABLE_SCHEMAS = {
+    TXN_MARKERS: TXN_MARKERS_SCHEMA,
+    ABORTED_TXNS: ABORTED_TXNS_SCHEMA,
+    COMMITTED_ENTRIES: COMMITTED_ENTRIES_SCHEMA,
+    STABLE_POSITIONS: STABLE_POSITIONS_SCHEMA,
+    BUFFER_PENDING_ENTRIES: LEDGER_ENTRIES_SCHEMA,
+    BUFFER_DUPLICATES: BUFFER_DUPLICATES_SCHEMA,
+    BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA,
+    BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
+}
+NARROW_TABLES = (TXN_MARKERS, ABORTED_TXNS, STABLE_POSITIONS, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 # The kernel's decisions on rows, beside the tables it writes whole.
 VISIBLE = "visible"  # per committed row: `_row`, its position and VISIBLE_COLUMNS
 PENDING = "pending"  # per row of the scope to keep in `buffer_pending_entries`: `_row` and its position
@@ -546,13 +559,11 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
     )
 
 
-_STATE_SCHEMAS = {BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA, BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
-                  BUFFER_PENDING_ENTRIES: LEDGER_ENTRIES_SCHEMA}
 
 
 def no_state(table: str, rows: pc.Expression) -> pa.Table:
     """A `StateReader` of an empty state: a first or full run."""
-    return arrow_schema(_STATE_SCHEMAS[table]).empty_table()
+    return arrow_schema(TABLE_SCHEMAS[table]).empty_table()
 
 
 def full_scope_tables(narrow: pa.Table) -> ScopeTables:

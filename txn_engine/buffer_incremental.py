@@ -79,7 +79,7 @@ from pyspark.sql import Column, DataFrame, Row
 from pyspark.sql import functions as F
 
 from txn_engine import buffer_arrow, buffer_spark
-from txn_engine.buffer_arrow import VIOLATIONS, require_ledger_entries
+from txn_engine.buffer_arrow import NARROW_TABLES, TABLE_SCHEMAS, VIOLATIONS, require_ledger_entries
 from txn_engine.delta_io import (
     aggregate_batches,
     arrow_schema,
@@ -94,16 +94,13 @@ from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
 from txn_engine.locks import table_lock
 from txn_engine.schema import (
     ABORTED_TXNS,
-    ABORTED_TXNS_SCHEMA,
     BUFFER_DUPLICATES,
-    BUFFER_DUPLICATES_SCHEMA,
     BUFFER_LEDGER_TXNS,
     BUFFER_LEDGER_TXNS_SCHEMA,
     BUFFER_PENDING_ENTRIES,
     BUFFER_SEQUENCE_RANGES,
     BUFFER_SEQUENCE_RANGES_SCHEMA,
     COMMITTED_ENTRIES,
-    COMMITTED_ENTRIES_SCHEMA,
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
     LEDGER_ENTRIES,
@@ -113,14 +110,10 @@ from txn_engine.schema import (
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
-    TXN_MARKERS_SCHEMA,
 )
 from txn_engine.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
-# Tables without entry rows: at most a row per transaction and ledger (per topic, producer and
-# ledger; per topic), not a payload among them.
-NARROW_TABLES = (TXN_MARKERS, ABORTED_TXNS, STABLE_POSITIONS, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
 # Commit metadata of a run's `buffer_ledger_txns` commit (its last): per contract table, the version
 # the run's own writes left. Read at those versions, the tables describe exactly the log this state
@@ -135,16 +128,6 @@ LEDGER_COLUMN = {
     BUFFER_DUPLICATES: "ledger_id",
     BUFFER_SEQUENCE_RANGES: "ledger_id",
     BUFFER_LEDGER_TXNS: "ledger_id",
-}
-SCHEMAS = {
-    TXN_MARKERS: TXN_MARKERS_SCHEMA,
-    ABORTED_TXNS: ABORTED_TXNS_SCHEMA,
-    COMMITTED_ENTRIES: COMMITTED_ENTRIES_SCHEMA,
-    STABLE_POSITIONS: STABLE_POSITIONS_SCHEMA,
-    BUFFER_PENDING_ENTRIES: LEDGER_ENTRIES_SCHEMA,
-    BUFFER_DUPLICATES: BUFFER_DUPLICATES_SCHEMA,
-    BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA,
-    BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
 }
 
 
@@ -463,8 +446,8 @@ def _replaced_rows(plan: ScopePlan, column: str, delta_rs: bool) -> str:
     return f"({where}) AND NOT ({ledger_predicate(plan.shadowed, column, delta_rs)})"
 
 
-def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write, driver_write_max_bytes: int,
-                      ) -> BufferRefresh:
+def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, after_write,
+                      driver_write_max_bytes: int) -> BufferRefresh:
     """The run on Spark (`buffer_spark`): a full run (`kept_state` None), or an incremental one."""
     full = kept_state is None
     pending_rows = None
@@ -564,7 +547,7 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFram
             frame = frame()
         where = lambda delta_rs: None if whole else _replaced_rows(plan, LEDGER_COLUMN[table], delta_rs)  # noqa: E731
         if isinstance(frame, pa.Table):
-            DeltaTables(wh).overwrite(table, frame, SCHEMAS[table], where(True), commit_metadata)
+            DeltaTables(wh).overwrite(table, frame, TABLE_SCHEMAS[table], where(True), commit_metadata)
         elif by_driver(table, frame):
             overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata)
         else:

@@ -23,38 +23,38 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
 
 from txn_engine import buffer_arrow
-from txn_engine.buffer_arrow import NARROW_COLUMNS, PENDING, TXN_KEY, VIOLATIONS, VISIBLE, ScopeTables, require_ledger_entries
+from txn_engine.buffer_arrow import (
+    NARROW_COLUMNS,
+    NARROW_TABLES,
+    PENDING,
+    TABLE_SCHEMAS,
+    TXN_KEY,
+    VIOLATIONS,
+    VISIBLE,
+    ScopeTables,
+    require_ledger_entries,
+)
 from txn_engine.delta_io import NARROW_ROW_BYTES, arrow_schema, fits_driver
 from txn_engine.schema import (
     ABORTED_TXNS,
-    ABORTED_TXNS_SCHEMA,
     BUFFER_DUPLICATES,
-    BUFFER_DUPLICATES_SCHEMA,
     BUFFER_LEDGER_TXNS,
     BUFFER_LEDGER_TXNS_SCHEMA,
     BUFFER_PENDING_ENTRIES,
     BUFFER_SEQUENCE_RANGES,
-    BUFFER_SEQUENCE_RANGES_SCHEMA,
     COMMITTED_ENTRIES,
     COMMITTED_ENTRIES_SCHEMA,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     POSITION_COLUMNS,
     STABLE_POSITIONS,
-    STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
-    TXN_MARKERS_SCHEMA,
 )
 from txn_engine.spark_columns import BROADCAST_MAX_BYTES
 
 _POSITIONS = [StructField(c, StringType() if c == "topic" else LongType()) for c in POSITION_COLUMNS]
 DECISION_SCHEMAS: dict[str, StructType] = {
-    TXN_MARKERS: TXN_MARKERS_SCHEMA,
-    ABORTED_TXNS: ABORTED_TXNS_SCHEMA,
-    STABLE_POSITIONS: STABLE_POSITIONS_SCHEMA,
-    BUFFER_DUPLICATES: BUFFER_DUPLICATES_SCHEMA,
-    BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA,
-    BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
+    **{name: TABLE_SCHEMAS[name] for name in NARROW_TABLES},
     VISIBLE: StructType([*_POSITIONS, StructField("visible_ledger_id", LongType()), StructField("visible_entry_id", LongType()),
                          StructField("local_seq", LongType()), StructField("in_stable_prefix", BooleanType())]),
     PENDING: StructType(_POSITIONS),
@@ -62,8 +62,8 @@ DECISION_SCHEMAS: dict[str, StructType] = {
 }
 # What a topic's run reads of the state: the narrow columns of the pending rows, not their payloads.
 STATE_SCHEMAS: dict[str, StructType] = {
-    BUFFER_SEQUENCE_RANGES: BUFFER_SEQUENCE_RANGES_SCHEMA,
-    BUFFER_LEDGER_TXNS: BUFFER_LEDGER_TXNS_SCHEMA,
+    BUFFER_SEQUENCE_RANGES: TABLE_SCHEMAS[BUFFER_SEQUENCE_RANGES],
+    BUFFER_LEDGER_TXNS: TABLE_SCHEMAS[BUFFER_LEDGER_TXNS],
     BUFFER_PENDING_ENTRIES: StructType([f for f in LEDGER_ENTRIES_SCHEMA.fields if f.name in NARROW_COLUMNS]),
 }
 _TOPIC_ONLY = "topic"  # a state row that only makes its topic a group: every catalog topic gets a stable position
@@ -79,7 +79,6 @@ def _union_schema(schemas: Mapping[str, StructType]) -> StructType:
 
 
 OUTPUT_SCHEMA = _union_schema(DECISION_SCHEMAS)
-STATE_UNION_SCHEMA = _union_schema(STATE_SCHEMAS)
 
 
 def _union_rows(frame: DataFrame, name: str, schemas: Mapping[str, StructType]) -> DataFrame:
@@ -284,7 +283,7 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
 
     `entries`: the scope's full rows; `pending_rows`: the stored pending rows of older ledgers a
     commit in the scope can make visible (full rows; None for a run with no state)."""
-    tables = {name: decided.table(name) for name in DECISION_SCHEMAS if name not in (VISIBLE, PENDING, "violations")}
+    tables = {name: decided.table(name) for name in NARROW_TABLES}
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
