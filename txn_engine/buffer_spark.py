@@ -50,7 +50,7 @@ from txn_engine.schema import (
     STABLE_POSITIONS,
     TXN_MARKERS,
 )
-from txn_engine.spark_columns import BROADCAST_MAX_BYTES
+from txn_engine.spark_columns import BROADCAST_MAX_BYTES, conform
 
 _POSITIONS = [StructField(c, StringType() if c == "topic" else LongType()) for c in POSITION_COLUMNS]
 DECISION_SCHEMAS: dict[str, StructType] = {
@@ -234,7 +234,7 @@ class BufferTables:
 
     @property
     def committed_entries(self) -> DataFrame:
-        return wide_tables(self.decided, self.entries)[COMMITTED_ENTRIES]
+        return committed_rows(self.decided, self.entries.select(*LEDGER_ENTRY_COLUMNS))
 
     @property
     def violations(self) -> dict[str, int]:
@@ -278,6 +278,15 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
 
 
+def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
+    """`committed_entries`: the full `rows` the kernel decided visible, with its decisions."""
+    visible = decided.table(VISIBLE)
+    # Broadcast while the decisions fit: the full rows then stream past them, never shuffled.
+    if fits_driver(visible, BROADCAST_MAX_BYTES, NARROW_ROW_BYTES):
+        visible = F.broadcast(visible)
+    return conform(rows.join(visible, list(POSITION_COLUMNS)), COMMITTED_ENTRIES_SCHEMA)
+
+
 def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None) -> dict[str, DataFrame]:
     """Every table of the run: the kernel's narrow tables, and the full rows it decided on joined in.
 
@@ -287,13 +296,8 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
-    visible = decided.table(VISIBLE)
-    # Broadcast while the decisions fit: the full rows then stream past them, never shuffled.
-    if fits_driver(visible, BROADCAST_MAX_BYTES, NARROW_ROW_BYTES):
-        visible = F.broadcast(visible)
-    committed = rows.join(visible, list(POSITION_COLUMNS))
-    tables[COMMITTED_ENTRIES] = committed.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in COMMITTED_ENTRIES_SCHEMA.fields])
-    # Pending rows lie in few ledgers (transactions open across a ledger's end): only those are read again.
+    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows)
+    # Only the ledgers that hold pending rows are read again.
     pending = decided.table(PENDING)
     ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
     tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
