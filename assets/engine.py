@@ -24,12 +24,12 @@ from assets.metadata import table_metadata
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import DeltaTables
-from txn_engine.demo_workload import WorkloadMix, run_demo_workload
-from txn_engine.schema import LEDGER_ENTRIES
-from txn_engine.txn_admin import TxnAdmin
-from txn_engine.txn_errors import EngineLockedError
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.producers.demo_workload import WorkloadMix, run_demo_workload
+from txn_engine.core.schema import LEDGER_ENTRIES
+from txn_engine.producers.admin import TxnAdmin
+from txn_engine.core.errors import EngineLockedError
+from txn_engine.storage.warehouse import Warehouse
 
 GROUP = "engine"
 DEMO_WORKLOAD = "demo_workload"
@@ -94,7 +94,7 @@ def abort_expired_op(context: OpExecutionContext, engine: EngineResource, wareho
         running = engine.open(warehouse.open(spark.session()))
     except EngineLockedError as exc:
         # Not a failure: the engine holding the warehouse aborts what is open past its timeout itself
-        # (txn_engine.engine), at least every abort_expired_interval_seconds.
+        # (txn_engine.producers.engine), at least every abort_expired_interval_seconds.
         context.log.info(
             "an engine is running on this warehouse and aborts its expired transactions itself; nothing to "
             f"do here ({exc})"

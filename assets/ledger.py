@@ -19,10 +19,10 @@ from pydantic import Field
 from assets.metadata import table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import overwrite_small
-from txn_engine.ingest import gap_warnings, ingest_files
-from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog
-from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
+from txn_engine.storage.delta_io import overwrite_small
+from txn_engine.log.ingest import gap_warnings, ingest_files
+from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
 GROUP = "ledger"
 

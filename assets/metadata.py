@@ -7,8 +7,8 @@ from typing import Any
 from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableSchema
 
 from resources.spark import spark_startup_seconds
-from txn_engine.delta_io import DeltaTables
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.storage.warehouse import Warehouse
 
 # Dagster's own keys (its TableMetadataSet, not exported by dagster 1.13): the UI shows them as the
 # asset's row count and column schema.

@@ -51,12 +51,12 @@ from pipelines.buffer_sensors import range_tags, retry_after_s
 from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_arrow import TXN_KEY
-from txn_engine.spark_columns import has_txn, is_data, is_marker, position_lt
-from txn_engine.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
-from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
-from txn_engine.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
-from txn_engine.schema import (
+from txn_engine.buffer.kernel import TXN_KEY
+from txn_engine.log.spark_columns import has_txn, is_data, is_marker, position_lt
+from txn_engine.tier.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
+from txn_engine.core.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.tier.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
     DELETED_LEDGERS,
@@ -69,7 +69,7 @@ from txn_engine.schema import (
     TXN_MARKERS,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.warehouse import Warehouse
 
 GROUP = "offload"
 
@@ -110,7 +110,7 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
         "facts_from": result.facts_from,
         "kept_from": result.kept_from,  # the buffer's committed_entries, or the log classified
         "step_seconds": MetadataValue.json({step: round(s, 2) for step, s in result.step_seconds.items()}),
-        # Whether the orphan check had to read the tier's ledgers (see txn_engine.offload).
+        # Whether the orphan check had to read the tier's ledgers (see txn_engine.tier.offload).
         "tier_scanned": result.tier_scanned,
         "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),

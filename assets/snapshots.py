@@ -2,7 +2,7 @@
 `txn_snapshot_state`, and `recovered_buffer_state` with its check against the full replay.
 
 A sensor (new entries in `ledger_entries`) and a schedule (the interval) run `snapshot_job`; the
-job itself decides per topic whether a snapshot is due (txn_engine.snapshot_jobs.snapshot_states),
+job itself decides per topic whether a snapshot is due (txn_engine.snapshots.jobs.snapshot_states),
 as a broker does, so a run with nothing due only refreshes the state and the recovery.
 """
 
@@ -37,8 +37,8 @@ from pyspark.sql import functions as F
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import DeltaTables, overwrite_small
-from txn_engine.schema import (
+from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
     RECOVERED_BUFFER_STATE,
@@ -47,7 +47,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_STATE,
 )
-from txn_engine.snapshot_jobs import (
+from txn_engine.snapshots.jobs import (
     SNAPSHOT_LOCK_TIMEOUT_S,
     TriggerConfig,
     compact_segments,
@@ -58,9 +58,9 @@ from txn_engine.snapshot_jobs import (
     snapshot_states,
     write_snapshots,
 )
-from txn_engine.snapshot_recovery import recover_to_warehouse, stale_recovery
-from txn_engine.snapshot_format import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
-from txn_engine.warehouse import Warehouse
+from txn_engine.snapshots.recovery import recover_to_warehouse, stale_recovery
+from txn_engine.snapshots.format import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
+from txn_engine.storage.warehouse import Warehouse
 
 GROUP = "snapshots"
 

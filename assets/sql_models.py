@@ -5,8 +5,8 @@ from dagster import AssetExecutionContext, AssetsDefinition, MaterializeResult, 
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import overwrite_small
-from txn_engine.sql_models import SqlModel, discover_models, run_model
+from txn_engine.storage.delta_io import overwrite_small
+from txn_engine.sql.models import SqlModel, discover_models, run_model
 
 GROUP = "sql_models"
 

@@ -1,8 +1,8 @@
 """The transaction buffer's tables: txn_markers, stable_positions, aborted_txns, committed_entries.
 
 One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four from
-`ledger_entries` (the buffer kernel, `txn_engine.buffer_arrow`, in the driver or on Spark,
-driven incrementally by `txn_engine.buffer_incremental`): a run over a ledger range recomputes those ledgers plus
+`ledger_entries` (the buffer kernel, `txn_engine.buffer.kernel`, in the driver or on Spark,
+driven incrementally by `txn_engine.buffer.refresh`): a run over a ledger range recomputes those ledgers plus
 whatever the catalog shows changed (the OPEN ledgers that grew, ledgers deleted by retention),
 so the tables always describe everything in `ledger_entries`. A run over every partition is a
 full recompute. Backfills run as one run per range (`BackfillPolicy.single_run`). The run
@@ -35,12 +35,12 @@ from assets.metadata import table_metadata
 from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_checks import committed_once, markers_match, stable_moves_back
-from txn_engine.buffer_incremental import refresh_buffer
-from txn_engine.delta_io import DeltaTables
-from txn_engine.errors import TxnlakeError
-from txn_engine.positions import ledger_id_of_partition, ledger_partition_key
-from txn_engine.schema import (
+from txn_engine.buffer.checks import committed_once, markers_match, stable_moves_back
+from txn_engine.buffer.refresh import refresh_buffer
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.core.errors import TxnlakeError
+from txn_engine.core.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,

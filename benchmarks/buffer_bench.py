@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
-from txn_engine.step_clock import StepClock
+from txn_engine.core.step_clock import StepClock
 
 
 def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
@@ -33,7 +33,7 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from txn_engine.schema import LEDGER_ENTRY_COLUMNS
+    from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
 
     order = Window.orderBy("topic", "ledger_id", "entry_id")
     frame = spark.read.parquet(str(raw)).withColumn("_n", F.row_number().over(order) - 1)
@@ -55,13 +55,13 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     from pyspark.sql import functions as F
 
     from resources.spark import get_spark, spark_startup_seconds
-    from txn_engine.buffer_incremental import STATE_TABLES, ledger_inventory, refresh_buffer
-    from txn_engine.ledgers import derive_ledger_catalog
-    from txn_engine.generate import generate_ledger_file
-    from txn_engine.ingest import ingest_files
-    from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.buffer.refresh import STATE_TABLES, ledger_inventory, refresh_buffer
+    from txn_engine.log.ledgers import derive_ledger_catalog
+    from txn_engine.log.generate import generate_ledger_file
+    from txn_engine.log.ingest import ingest_files
+    from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
 
     print(f"== transaction buffer benchmark: {entries:,} entries, workdir {workdir}")
     raw = workdir / "raw.parquet"

@@ -1,6 +1,6 @@
 """The transaction buffer's four tables in DuckDB: benchmark-only, to compare Spark against.
 
-The same rules as `txn_engine.transaction_buffer` (and the Spark jobs): de-duplicate DATA by
+The same rules as `txn_engine.reference.transaction_buffer` (and the Spark jobs): de-duplicate DATA by
 (topic, producer_id, sequence_id) keeping the first position; the first marker of a transaction
 on a topic wins; data after that marker is dropped; the stable position is the position before
 the earliest ongoing transaction's first entry (or the last position); committed entries carry

@@ -10,7 +10,7 @@ Three modes, side by side in one run on one warehouse:
 Commit latency is from the commit call to COMPLETE durable. Targets: >= 50,000 messages/s and
 p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,000).
 
-Upkeep (txn_engine.table_upkeep): the compactions the engine ran during the modes, and a soak
+Upkeep (txn_engine.storage.upkeep): the compactions the engine ran during the modes, and a soak
 beside them: BENCH_ENGINE_SOAK_COMMITS (3,000) appends of a pipelined round's rows (3,000 entries)
 to one table, with the engine's upkeep and without it (Delta's defaults), the append cost at the
 start and at the end of each. The soak's history is 10 s so that it expires within the soak (the
@@ -34,12 +34,12 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pyarrow as pa
 
-from txn_engine.delta_io import DeltaTables, arrow_schema
-from txn_engine.engine import Engine
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
-from txn_engine.table_upkeep import TableUpkeep, UpkeepPolicy
-from txn_engine.settings import WarehouseSettings
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.delta_io import DeltaTables, arrow_schema
+from txn_engine.producers.engine import Engine
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
+from txn_engine.storage.upkeep import TableUpkeep, UpkeepPolicy
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.warehouse import Warehouse
 
 PRODUCERS = 8
 MESSAGES_PER_TXN = 10

@@ -21,14 +21,14 @@ from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
 
 def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     from resources.spark import get_spark
-    from txn_engine.buffer_spark import facts_of_log
-    from txn_engine.generate import generate_ledger_file
-    from txn_engine.ingest import ingest_files
-    from txn_engine.ledgers import current_ledger_catalog, derive_ledger_catalog
-    from txn_engine.offload import ledger_eligibility, ledger_predicate, offload_ledgers
-    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.buffer.spark_runner import facts_of_log
+    from txn_engine.log.generate import generate_ledger_file
+    from txn_engine.log.ingest import ingest_files
+    from txn_engine.log.ledgers import current_ledger_catalog, derive_ledger_catalog
+    from txn_engine.tier.offload import ledger_eligibility, ledger_predicate, offload_ledgers
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
 
     print(f"== offload benchmark: {entries:,} entries, workdir {workdir}")
     raw = workdir / "raw.parquet"
@@ -38,7 +38,7 @@ def run(entries: int, workdir: Path, seed: int = 11) -> dict:
     wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh"), cold_tier=str(workdir / "cold")))
     with timed("ingest (validate + append to ledger_entries)"):
         ingest_files(wh, [str(raw)])
-    from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
+    from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
 
     with timed("ledgers catalog and transaction buffer over the log (upstream of the offload, as in `txnlake run`; "
                "not part of either figure)"):

@@ -29,7 +29,7 @@ def log_frame(spark, first_txn: int, count: int):
     """`count` aborted transactions from `first_txn`, round-robin over the topics, as ledger_entries rows."""
     from pyspark.sql import functions as F
 
-    from txn_engine.schema import LEDGER_ENTRIES_SCHEMA
+    from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA
 
     txns = spark.range(first_txn, first_txn + count).select(F.col("id").alias("txn"))
     per_topic = F.floor(F.col("txn") / TOPICS)  # the transaction's rank on its topic
@@ -60,7 +60,7 @@ def log_frame(spark, first_txn: int, count: int):
 def as_ingested(frame, entries: int):
     """The layout appends of a growing log leave: files of ~ENTRIES_PER_FILE entries, each a range
     of ledgers, sorted by position as ingest writes them (what lets recovery skip old files)."""
-    from txn_engine.schema import POSITION_COLUMNS
+    from txn_engine.core.schema import POSITION_COLUMNS
 
     files = max(1, entries // ENTRIES_PER_FILE)
     return frame.repartitionByRange(files, "ledger_id", "entry_id").sortWithinPartitions(*POSITION_COLUMNS)
@@ -70,10 +70,10 @@ def run(aborts: int, workdir: Path) -> dict:
     from pyspark.sql import functions as F
 
     from resources.spark import get_spark
-    from txn_engine.buffer_spark import compute_buffer_tables
-    from txn_engine.schema import ABORTED_TXNS, LEDGER_ENTRIES, RECOVERED_BUFFER_STATE, STABLE_POSITIONS
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.snapshot_jobs import (
+    from txn_engine.buffer.spark_runner import compute_buffer_tables
+    from txn_engine.core.schema import ABORTED_TXNS, LEDGER_ENTRIES, RECOVERED_BUFFER_STATE, STABLE_POSITIONS
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.snapshots.jobs import (
         entries_after_snapshots,
         full_replay_states,
         live_snapshots,
@@ -82,8 +82,8 @@ def run(aborts: int, workdir: Path) -> dict:
         recovery_mismatches,
         write_snapshots,
     )
-    from txn_engine.snapshot_recovery import recover_to_warehouse
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.snapshots.recovery import recover_to_warehouse
+    from txn_engine.storage.warehouse import Warehouse
 
     print(f"== snapshot benchmark: {aborts:,} aborted transactions over {TOPICS} topics, workdir {workdir}")
     spark = get_spark()

@@ -3,7 +3,7 @@
 A ledger becomes a partition of the transaction-buffer assets when the `ledgers` catalog says it
 is closed (CLOSED or OFFLOADED: recorded in `ledger_states`, or no longer its topic's last
 ledger). The sensor adds the keys of the newly closed ledgers and requests ONE run over their
-range; that run also picks up the OPEN ledgers' new entries (see `txn_engine.buffer_incremental`).
+range; that run also picks up the OPEN ledgers' new entries (see `txn_engine.buffer.refresh`).
 
 Every closed ledger that needs a run gets one: a newly closed one; one the buffer state does not
 describe at the catalog's counts (a partition whose run failed, or one that was a partition while
@@ -15,7 +15,7 @@ carry the request as a tag (`REQUEST_TAG`): a tick while they are queued or runn
 more, and one after they failed knows it.
 
 The sensor decides from the `ledgers` catalog, so first it keeps that fresh: when the catalog is
-stale (`txn_engine.ledgers.stale_catalog`, the predicate the `txnlake` commands use: missing while
+stale (`txn_engine.log.ledgers.stale_catalog`, the predicate the `txnlake` commands use: missing while
 ledger_entries exists, or older than an ingest, the engine's appends, an offload's or a retention
 run's changes) it requests a run of `ledgers_catalog` and nothing else, one at a time: none while
 one is queued or running, and after a failed one (for the same ledger_entries version) only once
@@ -51,7 +51,7 @@ from assets.transaction_buffer import DESCRIPTIONS
 from pipelines.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_incremental import (
+from txn_engine.buffer.refresh import (
     LEDGER_COUNT_COLUMNS,
     closed_ledger_counts,
     closed_ledger_ids,
@@ -59,11 +59,11 @@ from txn_engine.buffer_incremental import (
     read_catalog,
     stored_ledger_counts,
 )
-from txn_engine.delta_io import DeltaTables
-from txn_engine.ledgers import stale_catalog
-from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.log.ledgers import stale_catalog
+from txn_engine.core.positions import ledger_partition_key
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
+from txn_engine.storage.warehouse import Warehouse
 
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
 CATALOG_TAG = "txnlake/catalog_for"  # on the catalog runs the sensor requests: what they were asked for

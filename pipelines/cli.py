@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Sequence
 
-from txn_engine.errors import TxnlakeError
+from txn_engine.core.errors import TxnlakeError
 
 
 def non_negative(kind: type = int):
@@ -174,7 +174,7 @@ def _print_materializations(*results) -> None:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from assets.ledger import ingest_job
-    from txn_engine.ingest import gap_warnings
+    from txn_engine.log.ingest import gap_warnings
 
     result = _execute(ingest_job, {"ops": {"ingest_ledger_entries": {"config": {"paths": list(args.paths)}}}})
     events = result.get_asset_materialization_events()
@@ -210,9 +210,9 @@ def _add_open_ledger_partitions(instance, wh) -> list[str]:
     import pyarrow.compute as pc
 
     from pipelines.partitions import LEDGER_PARTITIONS
-    from txn_engine.delta_io import DeltaTables
-    from txn_engine.positions import ledger_partition_key
-    from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.core.positions import ledger_partition_key
+    from txn_engine.core.schema import LEDGERS, LEDGERS_SCHEMA
 
     if not wh.exists(LEDGERS):
         return []
@@ -232,7 +232,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from pipelines.buffer_sensors import BUFFER_SELECTION, range_tags
     from pipelines.partitions import LEDGER_PARTITIONS
-    from txn_engine.schema import LEDGERS
+    from txn_engine.core.schema import LEDGERS
 
     started = time.perf_counter()
     print("materializing every derived asset over the warehouse, in this process ...", flush=True)
@@ -260,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from txn_engine.sql_models import load_model, run_model
+    from txn_engine.sql.models import load_model, run_model
 
     model = load_model(args.file)
     print(f"-- {model.name}: reads {', '.join(model.reads) or 'no table'}")
@@ -292,7 +292,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from txn_engine.generate import generate_ledger_file
+    from txn_engine.log.generate import generate_ledger_file
 
     started = time.perf_counter()
     summary = generate_ledger_file(args.out, entries=args.entries, seed=args.seed, topics=args.topics, overwrite=args.force)
@@ -340,9 +340,9 @@ def payload_text(payload) -> str:
 
 def _known_topics(wh) -> set[str]:
     """Topics of the `ledgers` catalog (deleted ledgers included) and of ledger_entries, by delta-rs."""
-    from txn_engine.delta_io import DeltaTables
-    from txn_engine.ledgers import ledger_ranges
-    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, LEDGERS_SCHEMA
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.log.ledgers import ledger_ranges
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, LEDGERS_SCHEMA
 
     topics = set(DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic"])["topic"].to_pylist())
     if wh.exists(LEDGER_ENTRIES):  # the catalog is as old as the last `txnlake run`
@@ -359,8 +359,8 @@ def entry_line(e) -> str:
 
 
 def cmd_read(args: argparse.Namespace) -> int:
-    from txn_engine.positions import start_position
-    from txn_engine.reader import TopicReader
+    from txn_engine.core.positions import start_position
+    from txn_engine.tier.reader import TopicReader
 
     try:
         start = start_position(args.from_position, "--from")
@@ -388,13 +388,13 @@ def cmd_read(args: argparse.Namespace) -> int:
 
 
 def _refresh_stale_catalog(instance, wh) -> None:
-    """Materialize `ledgers` when it is stale (`txn_engine.ledgers.stale_catalog`, the predicate
+    """Materialize `ledgers` when it is stale (`txn_engine.log.ledgers.stale_catalog`, the predicate
     `ledgers_closed_sensor` decides with too: missing, or older than what it is derived from, e.g. an
     ingest since the last `txnlake run`), and add its newly closed ledgers as partitions."""
     from dagster import AssetSelection
 
-    from txn_engine.ledgers import stale_catalog
-    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS
+    from txn_engine.log.ledgers import stale_catalog
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
 
     if not wh.exists(LEDGER_ENTRIES):
         raise wh.missing(LEDGER_ENTRIES)
@@ -405,8 +405,8 @@ def _refresh_stale_catalog(instance, wh) -> None:
 
 def _catalog_ledgers(wh, ledger_ids: list[int]):
     """The `ledgers` catalog's rows of `ledger_ids`; an error naming the ids it does not hold."""
-    from txn_engine.delta_io import DeltaTables
-    from txn_engine.schema import LEDGERS, LEDGERS_SCHEMA
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.core.schema import LEDGERS, LEDGERS_SCHEMA
 
     rows = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"]).to_pylist()
     by_id = {r["ledger_id"]: r for r in rows}
@@ -425,11 +425,11 @@ def cmd_offload(args: argparse.Namespace) -> int:
     from assets.offload import OFFLOAD_SELECTION
     from pipelines.buffer_sensors import range_tags
     from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
-    from txn_engine.errors import TableMissingError
-    from txn_engine.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
-    from txn_engine.positions import ledger_partition_key
-    from txn_engine.reader import views_behind_log
-    from txn_engine.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
+    from txn_engine.core.errors import TableMissingError
+    from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
+    from txn_engine.core.positions import ledger_partition_key
+    from txn_engine.tier.reader import views_behind_log
+    from txn_engine.core.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
     started = time.perf_counter()
     instance, wh = _instance(), _open_warehouse()
@@ -518,8 +518,8 @@ def cmd_retention(args: argparse.Namespace) -> int:
     from dagster import AssetSelection
 
     from assets.offload import RetentionConfig
-    from txn_engine.retention import DEFAULT_MAX_AGE, parse_bytes, parse_duration
-    from txn_engine.schema import DELETED_LEDGERS, LEDGERS
+    from txn_engine.tier.retention import DEFAULT_MAX_AGE, parse_bytes, parse_duration
+    from txn_engine.core.schema import DELETED_LEDGERS, LEDGERS
 
     named = args.max_age is not None or args.max_bytes is not None or args.keep_ledgers is not None
     age = parse_duration(args.max_age) if args.max_age is not None else (None if named else DEFAULT_MAX_AGE)

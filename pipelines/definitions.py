@@ -48,8 +48,8 @@ from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
-from txn_engine.sql_models import known_tables
+from txn_engine.core.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
+from txn_engine.sql.models import known_tables
 
 
 

@@ -30,11 +30,11 @@ from dagster import (
 )
 
 from resources.warehouse import WarehouseResource
-from txn_engine.delta_io import DeltaTables
-from txn_engine.errors import TableMissingError
-from txn_engine.settings import WarehouseSettings
-from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY, vacuum_table
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.core.errors import TableMissingError
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY, vacuum_table
+from txn_engine.storage.warehouse import Warehouse
 
 DELTA_DEFAULT_FILE_RETENTION = "Delta's default (7 days)"
 

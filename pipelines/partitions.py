@@ -1,4 +1,4 @@
-"""Partitions: one Dagster partition per ledger (keys from `txn_engine.positions.ledger_partition_key`).
+"""Partitions: one Dagster partition per ledger (keys from `txn_engine.core.positions.ledger_partition_key`).
 
 Dynamic, because ledgers appear as the log grows: a sensor adds a ledger's key when it closes.
 """

@@ -7,11 +7,11 @@ import getpass
 from datetime import datetime, timedelta, timezone
 
 from pipelines.cli import non_negative
-from txn_engine.log_types import TxnId
-from txn_engine.schema import TXN_STATES
+from txn_engine.core.log_types import TxnId
+from txn_engine.core.schema import TXN_STATES
 
 # The states `txn list` shows: txn_log's, and those of transactions known only from the ledgers
-# (txn_engine.txn_admin.ledger_state).
+# (txn_engine.producers.admin.ledger_state).
 LIST_STATES = (*TXN_STATES, "PARTIALLY_COMMITTED", "MIXED")
 
 
@@ -44,17 +44,17 @@ def add_txn_parser(sub, handler) -> None:
 
 
 def _admin(warehouse):
-    from txn_engine.delta_io import DeltaTables
-    from txn_engine.txn_admin import TxnAdmin
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.producers.admin import TxnAdmin
 
     return TxnAdmin(DeltaTables(warehouse))
 
 
 def _warehouse():
     from pipelines.definitions import RESOURCES
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.storage.warehouse import Warehouse
 
-    from txn_engine.errors import TableMissingError
+    from txn_engine.core.errors import TableMissingError
 
     # The configured warehouse resource, as the runs see it. No Spark: the engine and these tools
     # read and write Delta through delta-rs.
@@ -107,8 +107,8 @@ def run_txn_command(args: argparse.Namespace) -> int:
         print(f"{len(hanging)} hanging transaction(s)"
               + (f"; abort one with `txnlake txn abort ID --why REASON`" if hanging else ""))
     elif command == "abort":
-        from txn_engine.engine import Engine
-        from txn_engine.txn_admin import operator_abort
+        from txn_engine.producers.engine import Engine
+        from txn_engine.producers.admin import operator_abort
 
         with Engine(warehouse) as engine:
             info = operator_abort(engine, TxnId.parse(args.txn_id), args.who, args.why)

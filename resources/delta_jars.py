@@ -13,7 +13,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from txn_engine.errors import DeltaJarsMissingError
+from txn_engine.core.errors import DeltaJarsMissingError
 
 DELTA_VERSION = "4.4.0"
 MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2"

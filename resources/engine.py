@@ -7,17 +7,17 @@ from datetime import timedelta
 from dagster import ConfigurableResource
 from pydantic import Field
 
-from txn_engine.engine import ABORT_EXPIRED_INTERVAL_S, Engine
-from txn_engine.ledger_writer import RolloverPolicy
-from txn_engine.table_upkeep import UpkeepPolicy
-from txn_engine.warehouse import Warehouse
+from txn_engine.producers.engine import ABORT_EXPIRED_INTERVAL_S, Engine
+from txn_engine.producers.ledger_writer import RolloverPolicy
+from txn_engine.storage.upkeep import UpkeepPolicy
+from txn_engine.storage.warehouse import Warehouse
 
 _DEFAULT = RolloverPolicy()
 _UPKEEP = UpkeepPolicy()
 
 
 class EngineResource(ConfigurableResource):
-    """Opens the warehouse's one engine (see txn_engine.engine: a second one is refused)."""
+    """Opens the warehouse's one engine (see txn_engine.producers.engine: a second one is refused)."""
 
     txn_groups: int = Field(default=1, description="Transaction groups of the coordinator log (txn_most_bits).")
     rollover_max_entries: int = Field(default=_DEFAULT.max_entries, description="Roll a ledger over after this many entries.")
@@ -29,7 +29,7 @@ class EngineResource(ConfigurableResource):
     log_retention_seconds: float = Field(
         default=_UPKEEP.log_retention.total_seconds(),
         description="Delta history (time travel) kept on the tables the engine appends to, unless a table sets "
-        "its own delta.logRetentionDuration. Each 1,000 commit files slow an append (txn_engine.table_upkeep).",
+        "its own delta.logRetentionDuration. Each 1,000 commit files slow an append (txn_engine.storage.upkeep).",
     )
     file_retention_seconds: float = Field(
         default=_UPKEEP.file_retention.total_seconds(),

@@ -35,7 +35,7 @@ from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import require_delta_jars
-from txn_engine.errors import ConfigurationError
+from txn_engine.core.errors import ConfigurationError
 
 log = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.spark import get_spark
-from txn_engine.settings import WarehouseSettings
-from txn_engine.warehouse import Warehouse
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.warehouse import Warehouse
 
 
 class WarehouseResource(ConfigurableResource):

@@ -14,12 +14,12 @@ from typing import Any, Iterable
 from hypothesis import strategies as st
 from pyspark.sql import DataFrame
 
-from txn_engine.log_types import LogEntry, TxnId, Violation
-from txn_engine.schema import (
+from txn_engine.core.log_types import LogEntry, TxnId, Violation
+from txn_engine.core.schema import (
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
 )
-from txn_engine.transaction_buffer import replay
+from txn_engine.reference.transaction_buffer import replay
 
 T1, T2, T3 = TxnId(0, 1), TxnId(0, 2), TxnId(0, 3)
 EPOCH = datetime(2026, 1, 1)

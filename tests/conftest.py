@@ -60,16 +60,16 @@ def warehouse_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture
 def warehouse(spark, warehouse_root: Path):
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
 
     return Warehouse(spark, WarehouseSettings(warehouse=str(warehouse_root)))
 
 
 @pytest.fixture(scope="session")
 def _prepared_roots(spark, tmp_path_factory):
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
 
     built: dict[str, Path] = {}
 

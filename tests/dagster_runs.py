@@ -10,7 +10,7 @@ from dagster import AssetSelection, DagsterInstance, SensorResult, build_sensor_
 from pipelines.buffer_sensors import ledgers_closed_sensor, range_tags
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, DERIVED_SELECTION
 from pipelines.partitions import LEDGER_PARTITIONS
-from txn_engine.schema import LEDGERS
+from txn_engine.core.schema import LEDGERS
 
 
 def derive_all(resources, instance=None):

@@ -37,8 +37,8 @@ COMMIT_D = [entry("t", 4, 1, "COMMIT", txn=D)]
 
 def derive_buffer_tables(warehouse) -> None:
     """Write the four transaction-buffer tables from the current ledger_entries (what `txnlake run` does)."""
-    from txn_engine.buffer_spark import compute_buffer_tables
-    from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+    from txn_engine.buffer.spark_runner import compute_buffer_tables
+    from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 
     tables = compute_buffer_tables(warehouse.read(LEDGER_ENTRIES))
     try:
@@ -51,9 +51,9 @@ def derive_buffer_tables(warehouse) -> None:
 
 def oracle_read(rows, topic):
     """The reference read-committed output of `topic` from the beginning: (ledger_id, entry_id) in order."""
-    from txn_engine.log_types import LogEntry
-    from txn_engine.positions import EARLIEST
-    from txn_engine.transaction_buffer import replay
+    from txn_engine.core.log_types import LogEntry
+    from txn_engine.core.positions import EARLIEST
+    from txn_engine.reference.transaction_buffer import replay
 
     entries = [LogEntry.from_row({**r, "payload": None, "publish_time": None}) for r in rows]
     buffers = replay(entries)

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 from resources.spark import get_spark
-from txn_engine.settings import WarehouseSettings
-from txn_engine.warehouse import Warehouse
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.warehouse import Warehouse
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from txn_engine.schema import LEDGER_ENTRY_COLUMNS
+from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
 
 
 def entry(topic: str, ledger: int, entry: int, entry_type: str = "DATA", txn: tuple[int, int] | None = None,

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 from hypothesis import strategies as st
 
-from txn_engine.log_types import LogEntry, TxnId
-from txn_engine.positions import Position
-from txn_engine.snapshots import Crash, SnapshotLog, SnapshotSegment
-from txn_engine.snapshot_format import SnapshotConfig
-from txn_engine.transaction_buffer import TopicTransactionBuffer
+from txn_engine.core.log_types import LogEntry, TxnId
+from txn_engine.core.positions import Position
+from txn_engine.reference.snapshots import Crash, SnapshotLog, SnapshotSegment
+from txn_engine.snapshots.format import SnapshotConfig
+from txn_engine.reference.transaction_buffer import TopicTransactionBuffer
 
 OPS = ("data", "data", "txn_data", "txn_data", "txn_data", "commit", "abort", "abort", "roll",
        "snapshot", "snapshot", "delete", "delete", "compact")

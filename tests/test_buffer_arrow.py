@@ -1,4 +1,4 @@
-"""`txn_engine.buffer_arrow` on cases the random histories rarely reach (no Spark needed).
+"""`txn_engine.buffer.kernel` on cases the random histories rarely reach (no Spark needed).
 
 The Arrow twins are held equal to Spark and to the reference by the differential tests of
 `tests/test_buffer_incremental.py`; these pin the parts whose exactness rests on a trick.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from txn_engine import buffer_arrow
-from txn_engine.delta_io import arrow_schema
-from txn_engine.schema import BUFFER_SEQUENCE_RANGES_SCHEMA
+from txn_engine.buffer import kernel
+from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.core.schema import BUFFER_SEQUENCE_RANGES_SCHEMA
 
 
 def narrow(rows: list[dict]) -> pa.Table:
@@ -21,7 +21,7 @@ def narrow(rows: list[dict]) -> pa.Table:
         ("topic", pa.string()), ("ledger_id", pa.int64()), ("entry_id", pa.int64()), ("entry_type", pa.string()),
         ("txn_most_bits", pa.int64()), ("txn_least_bits", pa.int64()), ("producer_id", pa.int64()),
         ("producer_epoch", pa.int32()), ("sequence_id", pa.int64())]))
-    return buffer_arrow.with_row_index(table)
+    return kernel.with_row_index(table)
 
 
 def positions(table: pa.Table) -> list[tuple]:
@@ -48,7 +48,7 @@ def test_an_earlier_ledgers_sequence_run_is_found_even_when_runs_overlap_and_lat
         {"ledger_id": 10, "entry_id": 2, "entry_type": "COMMIT", "txn_most_bits": 1, "txn_least_bits": 1,
          "producer_id": 7, "sequence_id": 1},  # a marker takes no part in de-duplication
     ])
-    found = buffer_arrow.duplicates_of_earlier_ledgers(entries, ranges)
+    found = kernel.duplicates_of_earlier_ledgers(entries, ranges)
     assert positions(found) == [("t", 5, 0), ("t", 10, 0), ("t", 10, 1)]
 
 
@@ -61,7 +61,7 @@ def test_a_ledgers_first_marker_decides_its_kind_and_duplicates_do_not_count_as_
         {"ledger_id": 1, "entry_id": 4},
     ])
     duplicate = np.array([True, False, False, False, False])
-    rows = {(r["txn_least_bits"]): r for r in buffer_arrow.by_ledger_txn(entries, duplicate).to_pylist()}
+    rows = {(r["txn_least_bits"]): r for r in kernel.by_ledger_txn(entries, duplicate).to_pylist()}
     assert rows[2] == {"topic": "t", "ledger_id": 1, "txn_most_bits": 1, "txn_least_bits": 2, "entry_count": 4,
                        "last_entry_id": 3, "marker_count": 2, "marker_entry_id": 2, "marker_is_commit": False,
                        "data_entry_id": 1, "duplicate_count": 1}

@@ -11,10 +11,10 @@ from pipelines.partitions import LEDGER_PARTITIONS
 from resources.warehouse import WarehouseResource
 from tests.dagster_runs import backdate_sensor_requests, derive_all, sensor_tick
 from tests.rows import entry, write_jsonl
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.ingest import ingest_files
-from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import (
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.log.ingest import ingest_files
+from txn_engine.core.positions import ledger_partition_key
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,

@@ -1,4 +1,4 @@
-"""The buffer's asset checks (`txn_engine.buffer_checks`): whole tables after a full run, the last
+"""The buffer's asset checks (`txn_engine.buffer.checks`): whole tables after a full run, the last
 run's rows (against the rest) after an incremental one, and each catches what it guards against."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from tests.test_buffer_incremental import T1, T2, T3, append, e, refresh
-from txn_engine.buffer_checks import committed_once, last_run_ledgers, markers_match, stable_moves_back
-from txn_engine.delta_io import DeltaTables
-from txn_engine.schema import (
+from txn_engine.buffer.checks import committed_once, last_run_ledgers, markers_match, stable_moves_back
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.core.schema import (
     COMMITTED_ENTRIES,
     COMMITTED_ENTRIES_SCHEMA,
     STABLE_POSITIONS,
@@ -95,7 +95,7 @@ def test_the_stable_position_check_compares_the_last_two_versions(spark, warehou
 
 
 def test_the_sequence_check_reads_only_the_ledgers_whose_runs_overlap_the_runs_sequences(spark, warehouse):
-    from txn_engine.buffer_checks import _ledgers_sharing_sequences, _null_epoch_as_value
+    from txn_engine.buffer.checks import _ledgers_sharing_sequences, _null_epoch_as_value
 
     append(warehouse, spark, FIRST)
     refresh(warehouse)

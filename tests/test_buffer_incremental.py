@@ -1,4 +1,4 @@
-"""The incremental transaction buffer (`txn_engine.buffer_incremental`) on real Delta tables.
+"""The incremental transaction buffer (`txn_engine.buffer.refresh`) on real Delta tables.
 
 Histories arrive in chunks (ledgers close, the OPEN ledger grows), each chunk is appended to
 `ledger_entries` and refreshed incrementally; the tables must equal both the reference and a
@@ -29,14 +29,14 @@ from tests.buffer_histories import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer_incremental import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
-from txn_engine.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
-from txn_engine.ledgers import derive_ledger_catalog
-from txn_engine.locks import TableLockTimeout
-from txn_engine.log_types import LogEntry
-from txn_engine.retention import delete_ledger_rows
-from txn_engine.sql_models import discover_models, run_model
-from txn_engine.schema import (
+from txn_engine.buffer.refresh import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
+from txn_engine.storage.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
+from txn_engine.log.ledgers import derive_ledger_catalog
+from txn_engine.storage.locks import TableLockTimeout
+from txn_engine.core.log_types import LogEntry
+from txn_engine.tier.retention import delete_ledger_rows
+from txn_engine.sql.models import discover_models, run_model
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
     BUFFER_PENDING_ENTRIES,
@@ -46,8 +46,8 @@ from txn_engine.schema import (
     STABLE_POSITIONS,
     TXN_MARKERS,
 )
-from txn_engine.settings import WarehouseSettings
-from txn_engine.warehouse import Warehouse
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.warehouse import Warehouse
 
 TABLES = (TXN_MARKERS, ABORTED_TXNS, STABLE_POSITIONS, COMMITTED_ENTRIES)
 
@@ -320,8 +320,8 @@ def test_fits_driver_bounds_rows_by_their_bytes(spark):
 
 
 def test_a_local_frame_reaches_spark_as_arrow_without_python_workers(spark):
-    from txn_engine.delta_io import local_frame
-    from txn_engine.schema import STABLE_POSITIONS_SCHEMA
+    from txn_engine.storage.delta_io import local_frame
+    from txn_engine.core.schema import STABLE_POSITIONS_SCHEMA
 
     schema = "topic string, _id long, _count int"
     rows = [("a", 1, 2), ("b", None, 3)]
@@ -440,8 +440,8 @@ def test_retention_waits_for_a_buffer_run(spark, prepared):
 
 
 def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehouse):
-    from txn_engine.ledgers import record_ledger_states
-    from txn_engine.schema import LEDGERS
+    from txn_engine.log.ledgers import record_ledger_states
+    from txn_engine.core.schema import LEDGERS
 
     append(warehouse, spark, [e(1, 0), e(1, 1), e(2, 0)])
     record_ledger_states(warehouse, [("t", 1, "DELETED", "retention")])
@@ -452,7 +452,7 @@ def test_inventory_comes_from_the_catalog_without_deleted_ledgers(spark, warehou
 
 
 def test_a_stable_move_flips_rows_only_where_a_row_not_rewritten_can_lie():
-    from txn_engine.buffer_incremental import flip_may_match
+    from txn_engine.buffer.refresh import flip_may_match
 
     ledgers = {1: 9, 3: 4, 5: 2}  # ledger -> last entry, per the catalog
     # The topic had nothing ongoing (stable at its end); a new ledger 5 moves it: only ledger 5 lies between.
@@ -472,7 +472,7 @@ def test_closed_ledgers_behind_the_state_follow_the_catalog_rules():
     # `ledger_entries` holds (entries, not DELETED) and the state does not hold at their counts.
     import pyarrow as pa
 
-    from txn_engine.buffer_incremental import closed_ledger_counts, closed_ledger_ids, ledgers_behind
+    from txn_engine.buffer.refresh import closed_ledger_counts, closed_ledger_ids, ledgers_behind
 
     catalog = pa.table({
         "topic": ["a", "a", "a", "b", "b", "b", "c"],
@@ -494,9 +494,9 @@ def test_closed_ledgers_behind_the_state_follow_the_catalog_rules():
 def test_stored_ledger_counts_fold_the_state_batch_by_batch(warehouse, monkeypatch):
     # A row per (ledger, transaction) in several files; folded a batch at a time with partial
     # results folded again every row (FOLD_ROWS 1), it still gives each ledger's sum and max.
-    from txn_engine import delta_io
-    from txn_engine.buffer_incremental import stored_ledger_counts
-    from txn_engine.schema import BUFFER_LEDGER_TXNS_SCHEMA, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA
+    from txn_engine.storage import delta_io
+    from txn_engine.buffer.refresh import stored_ledger_counts
+    from txn_engine.core.schema import BUFFER_LEDGER_TXNS_SCHEMA, BUFFER_SEQUENCE_RANGES, BUFFER_SEQUENCE_RANGES_SCHEMA
 
     def row(topic, ledger, txn, count, last):
         return {"topic": topic, "ledger_id": ledger, "txn_most_bits": None if txn is None else 0, "txn_least_bits": txn,

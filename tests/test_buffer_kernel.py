@@ -1,8 +1,8 @@
-"""The transaction-buffer kernel (`txn_engine.buffer_arrow`) against the pure-Python reference.
+"""The transaction-buffer kernel (`txn_engine.buffer.kernel`) against the pure-Python reference.
 
 No JVM: the kernel runs in this process, a topic at a time as both of its runners call it, so
 the random histories get many examples. `test_the_kernel_on_spark_equals_the_reference` runs the
-same scenarios through the Spark runner (`buffer_spark`): the wiring, not the rules.
+same scenarios through the Spark runner (`spark_runner`): the wiring, not the rules.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ from tests.buffer_histories import (
     in_topic,
     rows_by_topic,
 )
-from txn_engine import buffer_arrow
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.delta_io import arrow_schema
-from txn_engine.errors import TxnlakeError
-from txn_engine.log_types import LogEntry
-from txn_engine.positions import Position
-from txn_engine.schema import (
+from txn_engine.buffer import kernel
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.core.errors import TxnlakeError
+from txn_engine.core.log_types import LogEntry
+from txn_engine.core.positions import Position
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
@@ -70,8 +70,8 @@ def kernel_tables(entries: list[LogEntry]) -> tuple[dict[str, dict], dict[str, p
     table = table.take(pa.array(range(table.num_rows - 1, -1, -1))) if table.num_rows else table
     for topic in sorted(set(table["topic"].to_pylist())):
         rows = table.filter(pc.equal(table["topic"], topic))
-        decided = buffer_arrow.full_scope_tables(rows)
-        tables = buffer_arrow.wide_tables(decided, rows)
+        decided = kernel.full_scope_tables(rows)
+        tables = kernel.wide_tables(decided, rows)
         for name in CONTRACT:
             arrow[name].append(tables[name])
             found = sorted(tuple(naive(v) for v in r.values()) for r in tables[name].to_pylist())
@@ -207,13 +207,13 @@ def test_tables_have_the_contract_schemas(scenarios):
 def test_empty_log():
     actual, tables = kernel_tables([])
     assert all(t.num_rows == 0 for t in tables.values()) and actual["violations"] == {}
-    decided = buffer_arrow.full_scope_tables(arrow_entries([]))
+    decided = kernel.full_scope_tables(arrow_entries([]))
     assert decided.violations == dict.fromkeys(VIOLATIONS, 0)
 
 
 def test_missing_columns_are_named():
     with pytest.raises(TxnlakeError, match="missing: .*payload"):
-        buffer_arrow.require_ledger_entries(arrow_entries([e(1, 0)]).drop_columns(["payload"]))
+        kernel.require_ledger_entries(arrow_entries([e(1, 0)]).drop_columns(["payload"]))
 
 
 # No shrinking needed to read a failure: the message names the history, as short tuples.

@@ -18,8 +18,8 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
 
     from pipelines.definitions import RESOURCES
     from resources.warehouse import WarehouseResource
-    from txn_engine.positions import ledger_partition_key
-    from txn_engine.schema import LEDGER_ENTRIES, LEDGERS, OFFLOADED_ENTRIES
+    from txn_engine.core.positions import ledger_partition_key
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, OFFLOADED_ENTRIES
 
     # The warehouse is configured on the resource; the environment names another one. Every
     # command (runs, sql, read, txn, offload) must use the resource's (the sensors take it as a
@@ -143,7 +143,7 @@ def test_every_command_says_what_it_does_and_what_its_arguments_are():
 
 def test_read_start_positions():
     from pipelines.cli import _attach_positions
-    from txn_engine.positions import EARLIEST, Position, start_position
+    from txn_engine.core.positions import EARLIEST, Position, start_position
 
     assert _attach_positions(["read", "t", "--from", "-1:-1", "--max", "2"]) == ["read", "t", "--from=-1:-1", "--max", "2"]
     assert _attach_positions(["read", "t", "--from", "3:0", "--max", "-1"]) == ["read", "t", "--from", "3:0", "--max", "-1"]
@@ -156,7 +156,7 @@ def test_read_start_positions():
 
 def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_path, monkeypatch):
     from pipelines.partitions import LEDGER_PARTITIONS
-    from txn_engine.positions import ledger_partition_key
+    from txn_engine.core.positions import ledger_partition_key
 
     monkeypatch.delenv("DAGSTER_HOME")
     monkeypatch.chdir(tmp_path)
@@ -173,8 +173,8 @@ def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_
     """A log's first ledgers are OPEN: `txnlake run` makes them the partitions, so every topic has a
     stable position at once instead of waiting for a ledger to close."""
     from tests.rows import entry, write_jsonl
-    from txn_engine.delta_io import DeltaTables
-    from txn_engine.schema import STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.core.schema import STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA
 
     (tmp_path / "dagster_home").mkdir()
     monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster_home"))  # no ledger partitions of other tests
@@ -189,7 +189,7 @@ def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_
     # Ledger 1 closes with its transaction still ongoing: `offload 1` runs its partition, which
     # waits; the run fails rather than record it materialized, and the CLI says why it waits.
     from dagster import AssetKey, DagsterInstance
-    from txn_engine.schema import OFFLOADED_ENTRIES
+    from txn_engine.core.schema import OFFLOADED_ENTRIES
     assert main(["ingest", str(write_jsonl(tmp_path / "more.jsonl", [entry("a", 3, 0)]))]) == 0
     capsys.readouterr()
     assert main(["offload", "1"]) == 0

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pipelines.cli import main
 from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.schema import (
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
     RECOVERED_BUFFER_STATE,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from txn_engine.locks import TableLockTimeout, table_lock
+from txn_engine.storage.locks import TableLockTimeout, table_lock
 
 BATCHES = 6
 

@@ -10,7 +10,7 @@ from assets.offload import retention_job
 from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs, ignore_dagsters_own_owners_warning
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES
 
 
 def metadata_of(result, key: str) -> dict:

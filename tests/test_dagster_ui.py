@@ -13,11 +13,11 @@ from pipelines.buffer_sensors import ledgers_catalog_job, ledgers_closed_sensor,
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.rows import entry, write_jsonl
-from txn_engine.ingest import ingest_files
-from txn_engine.delta_io import DeltaTables, overwrite_small
-from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog, stale_catalog
-from txn_engine.positions import ledger_partition_key
-from txn_engine.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.log.ingest import ingest_files
+from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog, stale_catalog
+from txn_engine.core.positions import ledger_partition_key
+from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
 
 ASSETS = [*ALL_ASSETS, *ALL_CHECKS]
 BUFFER = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)

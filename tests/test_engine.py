@@ -9,12 +9,12 @@ from datetime import datetime, timedelta, timezone
 import pyarrow.compute as pc
 import pytest
 
-from txn_engine.engine import GC_FIRST_GENERATION_THRESHOLD, Engine
-from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
-from txn_engine.log_types import TxnId
-from txn_engine.positions import Position
-from txn_engine.producer import RECENT_SENDS_KEPT, SendAccumulator
-from txn_engine.schema import (
+from txn_engine.producers.engine import GC_FIRST_GENERATION_THRESHOLD, Engine
+from txn_engine.producers.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, RolloverPolicy
+from txn_engine.core.log_types import TxnId
+from txn_engine.core.positions import Position
+from txn_engine.producers.producer import RECENT_SENDS_KEPT, SendAccumulator
+from txn_engine.core.schema import (
     CONSUMER_OFFSETS,
     CONSUMER_OFFSETS_SCHEMA,
     LEDGER_ENTRIES,
@@ -24,9 +24,9 @@ from txn_engine.schema import (
     TXN_LOG,
     TXN_LOG_SCHEMA,
 )
-from txn_engine.settings import WarehouseSettings
-from txn_engine.txn_admin import operator_abort
-from txn_engine.txn_errors import (
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.producers.admin import operator_abort
+from txn_engine.core.errors import (
     EngineLockedError,
     EngineStoppedError,
     InjectedCrash,
@@ -35,7 +35,7 @@ from txn_engine.txn_errors import (
     ProducerFencedError,
     TransactionAbortedError,
 )
-from txn_engine.warehouse import Warehouse
+from txn_engine.storage.warehouse import Warehouse
 
 
 class Clock:
@@ -599,9 +599,9 @@ def test_an_engine_in_another_process_is_refused_until_it_dies(warehouse, wareho
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\n"
-         "from txn_engine.engine import Engine\n"
-         "from txn_engine.settings import WarehouseSettings\n"
-         "from txn_engine.warehouse import Warehouse\n"
+         "from txn_engine.producers.engine import Engine\n"
+         "from txn_engine.core.settings import WarehouseSettings\n"
+         "from txn_engine.storage.warehouse import Warehouse\n"
          f"engine = Engine(Warehouse(None, WarehouseSettings(warehouse={str(warehouse_root)!r})))\n"
          "print('ready', flush=True)\n"
          "time.sleep(600)\n"],

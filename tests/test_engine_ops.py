@@ -12,12 +12,12 @@ from assets.engine import abort_expired_job, demo_job, txn_timeout_sensor
 from pipelines.cli import main
 from pipelines.definitions import DERIVED_SELECTION, defs
 from tests.rows import entry, write_jsonl
-from txn_engine.delta_io import DeltaTables
-from txn_engine.engine import Engine
-from txn_engine.ingest import ingest_files
-from txn_engine.log_types import TxnId
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, TXN_LOG, TXN_LOG_SCHEMA
-from txn_engine.txn_admin import TxnAdmin
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.producers.engine import Engine
+from txn_engine.log.ingest import ingest_files
+from txn_engine.core.log_types import TxnId
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, TXN_LOG, TXN_LOG_SCHEMA
+from txn_engine.producers.admin import TxnAdmin
 
 
 def test_demo_workload_job_reports_ledger_entries(dagster_resources, warehouse):

@@ -14,12 +14,12 @@ from datetime import datetime, timedelta, timezone
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from txn_engine.engine import Engine
-from txn_engine.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, BEFORE_COMPLETE
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
-from txn_engine.settings import WarehouseSettings
-from txn_engine.txn_errors import EngineStoppedError, InjectedCrash, ProducerFencedError, TransactionAbortedError
-from txn_engine.warehouse import Warehouse
+from txn_engine.producers.engine import Engine
+from txn_engine.producers.ledger_writer import AFTER_ENTRIES_CHUNK, AFTER_PREPARE, BEFORE_COMPLETE
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
+from txn_engine.core.settings import WarehouseSettings
+from txn_engine.core.errors import EngineStoppedError, InjectedCrash, ProducerFencedError, TransactionAbortedError
+from txn_engine.storage.warehouse import Warehouse
 
 TOPICS = ("t0", "t1", "t2")
 PRODUCERS = 2

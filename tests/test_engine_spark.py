@@ -5,13 +5,13 @@ from __future__ import annotations
 from pyspark.sql import functions as F
 
 from tests.rows import entry, write_jsonl
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.engine import Engine
-from txn_engine.ingest import ingest_files
-from txn_engine.ledger_writer import RolloverPolicy
-from txn_engine.positions import Position
-from txn_engine.ledgers import derive_ledger_catalog, recorded_ledger_states
-from txn_engine.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, TXN_LOG
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.producers.engine import Engine
+from txn_engine.log.ingest import ingest_files
+from txn_engine.producers.ledger_writer import RolloverPolicy
+from txn_engine.core.positions import Position
+from txn_engine.log.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.core.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, TXN_LOG
 
 
 def test_engine_appends_to_a_spark_table_and_spark_reads_the_engine(warehouse, tmp_path):

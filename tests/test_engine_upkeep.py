@@ -12,16 +12,16 @@ import pytest
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from txn_engine.engine import Engine
-from txn_engine.schema import LEDGER_ENTRIES, TXN_LOG
-from txn_engine.table_upkeep import (
+from txn_engine.producers.engine import Engine
+from txn_engine.core.schema import LEDGER_ENTRIES, TXN_LOG
+from txn_engine.storage.upkeep import (
     BEFORE_COMPACTION,
     BEFORE_VACUUM,
     FILE_RETENTION_PROPERTY,
     LOG_RETENTION_PROPERTY,
     UpkeepPolicy,
 )
-from txn_engine.txn_errors import InjectedCrash
+from txn_engine.core.errors import InjectedCrash
 
 SMALL = UpkeepPolicy(log_retention=timedelta(seconds=1), compact_every=10, small_file_rows=20, fanout=2, max_file_rows=80)
 

@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.rows import entry, write_csv, write_jsonl
-from txn_engine.errors import InputFileError
-from txn_engine.ingest import ingest_files
-from txn_engine.schema import LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS, QUARANTINE_ENTRIES
+from txn_engine.core.errors import InputFileError
+from txn_engine.log.ingest import ingest_files
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS, QUARANTINE_ENTRIES
 
 GOOD = [
     entry("orders-0", 3, 0, producer=1, seq=0, key="k0", payload=b"hello"),
@@ -71,8 +71,8 @@ def write_parquet(path, rows, publish_time):
 
 
 def test_csv_and_parquet_give_the_same_table_as_jsonl_alone_and_mixed(spark, tmp_path, warehouse):
-    from txn_engine.settings import WarehouseSettings
-    from txn_engine.warehouse import Warehouse
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
 
     jsonl = str(write_jsonl(tmp_path / "a.jsonl", GOOD))
     ingest_files(warehouse, [jsonl])

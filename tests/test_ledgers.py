@@ -6,8 +6,8 @@ import pytest
 from pyspark.sql import Row
 
 from tests.rows import entry
-from txn_engine.ledgers import derive_ledger_catalog
-from txn_engine.schema import LEDGER_ENTRIES_SCHEMA
+from txn_engine.log.ledgers import derive_ledger_catalog
+from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA
 
 
 def entries_df(spark, rows):
@@ -45,7 +45,7 @@ def test_known_states_override_the_derived_ones(spark):
 
 
 def test_recorded_states_latest_wins_and_reach_the_catalog(warehouse, spark):
-    from txn_engine.ledgers import record_ledger_states, recorded_ledger_states
+    from txn_engine.log.ledgers import record_ledger_states, recorded_ledger_states
 
     rows = [entry("a", 1, 0), entry("a", 2, 0)]
     assert recorded_ledger_states(warehouse).count() == 0  # no table yet: no recorded state
@@ -61,8 +61,8 @@ def test_recorded_states_latest_wins_and_reach_the_catalog(warehouse, spark):
 def test_recording_an_unknown_state_is_refused_and_writes_nothing(warehouse):
     import pytest
 
-    from txn_engine.ledgers import record_ledger_states
-    from txn_engine.schema import LEDGER_STATES_LOG
+    from txn_engine.log.ledgers import record_ledger_states
+    from txn_engine.core.schema import LEDGER_STATES_LOG
 
     with pytest.raises(ValueError, match="unknown state 'GONE'; use one of OPEN, CLOSED, OFFLOADED, DELETED"):
         record_ledger_states(warehouse, [("a", 1, "CLOSED", None), ("a", 2, "GONE", None)])
@@ -70,8 +70,8 @@ def test_recording_an_unknown_state_is_refused_and_writes_nothing(warehouse):
 
 
 def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark):
-    from txn_engine.ledgers import ledger_ranges, ledger_ranges_catalog, record_ledger_states
-    from txn_engine.schema import LEDGER_ENTRIES
+    from txn_engine.log.ledgers import ledger_ranges, ledger_ranges_catalog, record_ledger_states
+    from txn_engine.core.schema import LEDGER_ENTRIES
 
     first = [entry("a", 1, i) for i in range(3)] + [entry("b", 4, 0)]
     # Ledger a/1 goes on in the second commit: its range spans files (and Arrow batches).
@@ -98,9 +98,9 @@ def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark)
 def test_ledger_ranges_and_the_offload_without_a_log_say_what_to_do(warehouse):
     import pytest
 
-    from txn_engine.errors import TableMissingError
-    from txn_engine.ledgers import ledger_ranges
-    from txn_engine.offload import offload_ledgers
+    from txn_engine.core.errors import TableMissingError
+    from txn_engine.log.ledgers import ledger_ranges
+    from txn_engine.tier.offload import offload_ledgers
 
     for call in (lambda: ledger_ranges(warehouse), lambda: ledger_ranges(warehouse, 0), lambda: offload_ledgers(warehouse)):
         with pytest.raises(TableMissingError, match="table ledger_entries does not exist yet .*`txnlake ingest FILE`"):
@@ -116,10 +116,10 @@ def test_ledger_ranges_from_statistics_equal_a_full_scan(warehouse, spark, layou
     from deltalake import DeltaTable
 
     from tests.buffer_histories import frame
-    from txn_engine.delta_io import DeltaTables, aggregate
-    from txn_engine.ledgers import RANGES_SCHEMA, ledger_ranges, single_ledger_files
-    from txn_engine.log_types import LogEntry
-    from txn_engine.schema import LEDGER_ENTRIES
+    from txn_engine.storage.delta_io import DeltaTables, aggregate
+    from txn_engine.log.ledgers import RANGES_SCHEMA, ledger_ranges, single_ledger_files
+    from txn_engine.core.log_types import LogEntry
+    from txn_engine.core.schema import LEDGER_ENTRIES
 
     def ledger(topic, ledger_id, entry_ids):
         return [LogEntry(topic, ledger_id, k, "DATA") for k in entry_ids]

@@ -12,11 +12,11 @@ from deltalake import DeltaTable, write_deltalake
 
 from pipelines.definitions import ASSET_TABLES, MAINTAINED_TABLES, defs, maintenance_job
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer_incremental import STATE_TABLES
-from txn_engine.engine import ENGINE_TABLES
-from txn_engine.errors import TableMissingError
-from txn_engine.schema import BUFFER_DUPLICATES, COMMITTED_ENTRIES, OFFLOADED_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
-from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
+from txn_engine.buffer.refresh import STATE_TABLES
+from txn_engine.producers.engine import ENGINE_TABLES
+from txn_engine.core.errors import TableMissingError
+from txn_engine.core.schema import BUFFER_DUPLICATES, COMMITTED_ENTRIES, OFFLOADED_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY
 
 
 def _rewrite(path: str, times: int, properties: dict | None = None) -> None:

@@ -12,14 +12,14 @@ from tests.buffer_histories import planned_joins
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
-from txn_engine.buffer_arrow import TXN_KEY
-from txn_engine.buffer_incremental import ledger_inventory, recorded_version_key, refresh_buffer
-from txn_engine.spark_columns import BROADCAST_MAX_BYTES
-from txn_engine.buffer_spark import facts_of_log
-from txn_engine.table_upkeep import FILE_RETENTION_PROPERTY
-from txn_engine.offload import (
+from txn_engine.log.ingest import ingest_files
+from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.buffer.kernel import TXN_KEY
+from txn_engine.buffer.refresh import ledger_inventory, recorded_version_key, refresh_buffer
+from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES
+from txn_engine.buffer.spark_runner import facts_of_log
+from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY
+from txn_engine.tier.offload import (
     AFTER_ENTRIES,
     AFTER_MANIFEST,
     FROM_BUFFER_STATE,
@@ -36,8 +36,8 @@ from txn_engine.offload import (
     decided_txns,
     offload_ledgers,
 )
-from txn_engine.delta_io import DeltaTables, delete_ledgers, ledger_predicate
-from txn_engine.schema import (
+from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
+from txn_engine.core.schema import (
     BUFFER_LEDGER_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,

@@ -19,10 +19,10 @@ from pipelines.definitions import ALL_ASSETS
 from pipelines.partitions import LEDGER_PARTITIONS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
 from tests.rows import entry, write_jsonl
-from txn_engine.ingest import ingest_files
-from txn_engine.offload import OffloadWaitingError, offload_candidates
-from txn_engine.positions import ledger_partition_key as key
-from txn_engine.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+from txn_engine.log.ingest import ingest_files
+from txn_engine.tier.offload import OffloadWaitingError, offload_candidates
+from txn_engine.core.positions import ledger_partition_key as key
+from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
 TIER_SIZES = [a for a in ALL_ASSETS if isinstance(a, AssetsDefinition) and AssetKey("tier_sizes") in a.keys]
 

@@ -12,19 +12,19 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
-from txn_engine.buffer_arrow import NARROW_COLUMNS
-from txn_engine.buffer_spark import facts_of_log
-from txn_engine.consumer import Consumer
-from txn_engine.delta_io import DeltaTables, ledger_predicate, overwrite_small
-from txn_engine.ledgers import current_ledger_catalog, entry_size_bytes
-from txn_engine.log_types import LogEntry
-from txn_engine.offload import FROM_BUFFER_STATE, classify_for_offload, decided_txns, manifest_counts, offload_ledgers, row_hash
-from txn_engine.positions import EARLIEST
-from txn_engine.reader import TopicReader
-from txn_engine.retention import RetentionPolicy, apply_retention
-from txn_engine.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, LEDGERS
-from txn_engine.transaction_buffer import replay
+from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
+from txn_engine.buffer.kernel import NARROW_COLUMNS
+from txn_engine.buffer.spark_runner import facts_of_log
+from txn_engine.tier.consumer import Consumer
+from txn_engine.storage.delta_io import DeltaTables, ledger_predicate, overwrite_small
+from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.core.log_types import LogEntry
+from txn_engine.tier.offload import FROM_BUFFER_STATE, classify_for_offload, decided_txns, manifest_counts, offload_ledgers, row_hash
+from txn_engine.core.positions import EARLIEST
+from txn_engine.tier.reader import TopicReader
+from txn_engine.tier.retention import RetentionPolicy, apply_retention
+from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, LEDGERS
+from txn_engine.reference.transaction_buffer import replay
 
 # One step: (starts a new ledger?, what to append, which open transaction / earlier send it picks).
 STEP = st.tuples(st.booleans(), st.sampled_from(["plain", "retry", "data", "data", "commit", "abort"]), st.integers(0, 5))

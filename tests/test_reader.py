@@ -13,14 +13,14 @@ from assets.offload import tier_holds_only_committed_data
 from pipelines.cli import main
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables, oracle_read
 from tests.rows import write_jsonl
-from txn_engine.errors import TableMissingError, TxnlakeError
-from txn_engine.delta_io import overwrite_small
-from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import current_ledger_catalog
-from txn_engine.offload import offload_ledgers
-from txn_engine.positions import EARLIEST, Position
-from txn_engine.reader import TopicReader, views_behind_log
-from txn_engine.schema import LEDGERS
+from txn_engine.core.errors import TableMissingError, TxnlakeError
+from txn_engine.storage.delta_io import overwrite_small
+from txn_engine.log.ingest import ingest_files
+from txn_engine.log.ledgers import current_ledger_catalog
+from txn_engine.tier.offload import offload_ledgers
+from txn_engine.core.positions import EARLIEST, Position
+from txn_engine.tier.reader import TopicReader, views_behind_log
+from txn_engine.core.schema import LEDGERS
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,8 +131,8 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
         "import sys",
         "from pyspark import SparkContext",
         "from pipelines.cli import _open_warehouse, entry_line, main",
-        "from txn_engine.positions import Position",
-        "from txn_engine.reader import TopicReader",
+        "from txn_engine.core.positions import Position",
+        "from txn_engine.tier.reader import TopicReader",
         "assert main(['read', 't', '--from', '1:2', '--max', '2']) == 0",
         "assert SparkContext._active_spark_context is None, 'the read started a JVM'",
         "batch = TopicReader(_open_warehouse(), driver_max_bytes=0).read('t', Position(1, 2), 2)",

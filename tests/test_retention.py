@@ -17,20 +17,20 @@ from hypothesis import strategies as st
 from tests.offload_history import COMMIT_D, HISTORY, G, derive_buffer_tables, oracle_read
 from tests.rows import entry, write_jsonl
 from tests.test_offload_property import STEP, build_history
-from txn_engine import buffer_arrow
-from txn_engine.buffer_incremental import ledger_inventory, refresh_buffer
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.consumer import Consumer, ConsumerStateError, resumed_buffer
-from txn_engine.delta_io import DeltaTables, arrow_schema, overwrite_small
-from txn_engine.engine import Engine
-from txn_engine.ledger_writer import RolloverPolicy
-from txn_engine.ingest import ingest_files
-from txn_engine.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
-from txn_engine.reader import TopicReader
+from txn_engine.buffer import kernel
+from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.tier.consumer import Consumer, ConsumerStateError, resumed_buffer
+from txn_engine.storage.delta_io import DeltaTables, arrow_schema, overwrite_small
+from txn_engine.producers.engine import Engine
+from txn_engine.producers.ledger_writer import RolloverPolicy
+from txn_engine.log.ingest import ingest_files
+from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
+from txn_engine.tier.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
+from txn_engine.tier.reader import TopicReader
 from pipelines.cli import main
-from txn_engine.log_types import LogEntry, TxnId
-from txn_engine.retention import (
+from txn_engine.core.log_types import LogEntry, TxnId
+from txn_engine.tier.retention import (
     AFTER_STATE,
     RetentionPolicy,
     RetentionPolicyError,
@@ -39,8 +39,8 @@ from txn_engine.retention import (
     parse_bytes,
     parse_duration,
 )
-from txn_engine.positions import EARLIEST
-from txn_engine.schema import (
+from txn_engine.core.positions import EARLIEST
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
     BUFFER_LEDGER_TXNS_SCHEMA,
@@ -55,9 +55,9 @@ from txn_engine.schema import (
     RECOVERED_BUFFER_STATE,
     TXN_MARKERS,
 )
-from txn_engine.snapshot_jobs import full_replay_states, recovery_mismatches, write_snapshots
-from txn_engine.snapshot_recovery import recover_to_warehouse
-from txn_engine.transaction_buffer import TopicTransactionBuffer, replay
+from txn_engine.snapshots.jobs import full_replay_states, recovery_mismatches, write_snapshots
+from txn_engine.snapshots.recovery import recover_to_warehouse
+from txn_engine.reference.transaction_buffer import TopicTransactionBuffer, replay
 
 # Ledger 4 (hot, OPEN) gets an aborted transaction G and a retried send of t/2:1.
 EXTRA = [entry("t", 4, 2, txn=G, payload=b"g-data"), entry("t", 4, 3, "ABORT", txn=G),
@@ -270,7 +270,7 @@ def test_a_kept_consumer_feeds_only_what_was_appended_and_builds_again_when_the_
 @given(steps=st.lists(STEP, min_size=1, max_size=25), deleted=st.integers(1, 6))
 def test_the_consumers_buffer_resumed_after_deleted_ledgers_decides_as_the_whole_log(steps, deleted):
     """The buffer the consumer resumes from the state's facts of the first ledgers (as the buffer's
-    own run writes them: `buffer_arrow`), fed the rest, reads and holds the stable position as the
+    own run writes them: `kernel`), fed the rest, reads and holds the stable position as the
     reference fed every ledger: transactions still open in the deleted ledgers included, which an
     offloaded ledger never holds (so the tests through the tier never see them)."""
     entries = build_history("h", steps, 100)
@@ -284,13 +284,13 @@ def test_the_consumers_buffer_resumed_after_deleted_ledgers_decides_as_the_whole
     log = pa.Table.from_pylist([{c: getattr(e, c) for c in LEDGER_ENTRY_COLUMNS} for e in entries],
                                schema=arrow_schema(LEDGER_ENTRIES_SCHEMA))
     in_gone = pc.is_in(log["ledger_id"], gone_ids)
-    narrow = buffer_arrow.with_row_index(log.filter(in_gone))
-    duplicate = buffer_arrow.is_duplicate(narrow, buffer_arrow.duplicate_positions(narrow))
+    narrow = kernel.with_row_index(log.filter(in_gone))
+    duplicate = kernel.is_duplicate(narrow, kernel.duplicate_positions(narrow))
     gone = {ledger: {"entry_count": sum(e.ledger_id == ledger for e in entries),
                      "last_entry_id": max(e.entry_id for e in entries if e.ledger_id == ledger)} for ledger in gone_ids.to_pylist()}
     hot = log.filter(pc.invert(in_gone))
-    resumed = resumed_buffer("h", gone, hot, buffer_arrow.by_ledger_txn(narrow, duplicate),
-                             buffer_arrow.sequence_ranges(narrow, duplicate))
+    resumed = resumed_buffer("h", gone, hot, kernel.by_ledger_txn(narrow, duplicate),
+                             kernel.sequence_ranges(narrow, duplicate))
     for row in hot.to_pylist():
         resumed.append(LogEntry.from_row(row))
     first_hot = pc.min(hot["ledger_id"]).as_py()

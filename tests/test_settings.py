@@ -10,8 +10,8 @@ import pytest
 from resources.delta_jars import require_delta_jars
 from resources.spark import DEFAULT_SPARK_CONF, conf_from_environment, effective_conf
 from resources.warehouse import WarehouseResource
-from txn_engine.errors import ConfigurationError, DeltaJarsMissingError
-from txn_engine.settings import WarehouseSettings
+from txn_engine.core.errors import ConfigurationError, DeltaJarsMissingError
+from txn_engine.core.settings import WarehouseSettings
 
 
 def test_default_root_is_warehouse_under_cwd(monkeypatch, tmp_path):
@@ -174,7 +174,7 @@ def test_a_cluster_master_ships_code_and_python(monkeypatch, tmp_path):
     import zipfile
 
     import resources.spark as spark_module
-    import txn_engine.positions
+    import txn_engine.core.positions
 
     for name in ("TXNLAKE_SPARK_MASTER", "TXNLAKE_SPARK_CONF", "TXNLAKE_SHIP_CODE", "PYSPARK_PYTHON"):
         monkeypatch.delenv(name, raising=False)
@@ -193,7 +193,7 @@ def test_a_cluster_master_ships_code_and_python(monkeypatch, tmp_path):
     with zipfile.ZipFile(shipped) as archive:
         names = set(archive.namelist())
         # The code this process runs (this checkout), not another copy of the package.
-        assert archive.read("txn_engine/positions.py") == Path(txn_engine.positions.__file__).read_bytes()
+        assert archive.read("txn_engine/core/positions.py") == Path(txn_engine.core.positions.__file__).read_bytes()
     assert {f"{p}/__init__.py" for p in ("txn_engine", "assets", "resources", "pipelines")} <= names
     assert "resources/log4j2.properties" in names and not any("__pycache__" in n for n in names)
     assert effective_conf(master="spark://127.0.0.1:7077")["spark.submit.pyFiles"] == str(shipped)  # built once

@@ -19,8 +19,8 @@ from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
 from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
-from txn_engine.log_types import LogEntry
-from txn_engine.schema import (
+from txn_engine.core.log_types import LogEntry
+from txn_engine.core.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
@@ -31,7 +31,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_STATE,
 )
-from txn_engine.snapshot_jobs import TriggerConfig, read_segments, snapshot_lock, snapshot_states
+from txn_engine.snapshots.jobs import TriggerConfig, read_segments, snapshot_lock, snapshot_states
 
 BUFFER_AND_SNAPSHOTS = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES) | \
     AssetSelection.groups("snapshots")

@@ -1,4 +1,4 @@
-"""The snapshot index's row rules in Arrow (`txn_engine.snapshot_index`), without Spark.
+"""The snapshot index's row rules in Arrow (`txn_engine.snapshots.index`), without Spark.
 
 The Spark jobs run the same functions as Arrow UDFs; tests/test_snapshot_jobs.py holds the two
 recovery paths equal on damaged tables.
@@ -10,10 +10,10 @@ import pyarrow as pa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from txn_engine.delta_io import arrow_schema
-from txn_engine.schema import TXN_SNAPSHOT_SEGMENTS_SCHEMA
-from txn_engine.snapshot_index import bad_row_reasons, end_keys, part_numbers
-from txn_engine.snapshots import key_suffix
+from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.core.schema import TXN_SNAPSHOT_SEGMENTS_SCHEMA
+from txn_engine.snapshots.index import bad_row_reasons, end_keys, part_numbers
+from txn_engine.reference.snapshots import key_suffix
 
 SCHEMA = arrow_schema(TXN_SNAPSHOT_SEGMENTS_SCHEMA)
 ABORT = {"txn_most_bits": 1, "txn_least_bits": 2, "ledger_id": 3, "entry_id": 4}

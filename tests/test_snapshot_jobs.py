@@ -1,4 +1,4 @@
-"""Snapshots on Spark (txn_engine.snapshot_jobs) on real Delta tables, against the reference and
+"""Snapshots on Spark (txn_engine.snapshots.jobs) on real Delta tables, against the reference and
 the full replay: the writer, PIP-178's scenarios, the leak fix, crashes, racing writers, bad rows,
 and random histories (many topics per Spark job)."""
 
@@ -14,12 +14,12 @@ from pyspark.sql import functions as F
 
 from tests.snapshot_histories import op_lists, replay_topic, simulate
 from tests.buffer_histories import frame
-from txn_engine.buffer_spark import compute_buffer_tables
-from txn_engine.ledgers import record_ledger_states
-from txn_engine.locks import TableLockTimeout
-from txn_engine.log_types import LogEntry, TxnId
-from txn_engine.positions import Position
-from txn_engine.schema import (
+from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.log.ledgers import record_ledger_states
+from txn_engine.storage.locks import TableLockTimeout
+from txn_engine.core.log_types import LogEntry, TxnId
+from txn_engine.core.positions import Position
+from txn_engine.core.schema import (
     LEDGER_ENTRIES,
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
@@ -27,7 +27,7 @@ from txn_engine.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
-from txn_engine.snapshot_jobs import (
+from txn_engine.snapshots.jobs import (
     ENDS,
     PARTS,
     TriggerConfig,
@@ -41,9 +41,9 @@ from txn_engine.snapshot_jobs import (
     snapshot_states,
     write_snapshots,
 )
-from txn_engine.snapshot_recovery import DriverLimits, recover_to_warehouse
-from txn_engine.snapshots import Crash, SnapshotSegment, compacted_rows, recover, split_snapshot
-from txn_engine.snapshot_format import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES, SnapshotConfig, SnapshotError, Source
+from txn_engine.snapshots.recovery import DriverLimits, recover_to_warehouse
+from txn_engine.reference.snapshots import Crash, SnapshotSegment, compacted_rows, recover, split_snapshot
+from txn_engine.snapshots.format import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES, SnapshotConfig, SnapshotError, Source
 
 SMALL = SnapshotConfig(max_aborts_per_segment=2)
 

@@ -12,11 +12,11 @@ from pyspark.sql import functions as F
 
 from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import assert_all_recover, snapshot
-from txn_engine.ledgers import record_ledger_states
-from txn_engine.log_types import LogEntry
-from txn_engine.schema import LEDGER_ENTRIES
-from txn_engine.snapshot_jobs import entries_after_snapshots, entries_without_snapshot
-from txn_engine.snapshot_recovery import files_from_ledger
+from txn_engine.log.ledgers import record_ledger_states
+from txn_engine.core.log_types import LogEntry
+from txn_engine.core.schema import LEDGER_ENTRIES
+from txn_engine.snapshots.jobs import entries_after_snapshots, entries_without_snapshot
+from txn_engine.snapshots.recovery import files_from_ledger
 
 LEDGER_SIZE = 4
 
@@ -83,10 +83,10 @@ def test_recovery_reads_only_the_files_after_the_snapshots(warehouse, spark):
 
 
 def test_the_log_topics_come_from_a_fresh_catalog_else_from_the_log_batch_by_batch(warehouse, spark):
-    from txn_engine.delta_io import DeltaTables, overwrite_small
-    from txn_engine.ledgers import catalog_source_versions, current_ledger_catalog
-    from txn_engine.schema import DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, LEDGERS
-    from txn_engine.snapshot_recovery import _log_topics
+    from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+    from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog
+    from txn_engine.core.schema import DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, LEDGERS
+    from txn_engine.snapshots.recovery import _log_topics
 
     class Unread:
         def to_pyarrow_dataset(self, **_):

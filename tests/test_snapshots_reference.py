@@ -1,4 +1,4 @@
-"""The reference snapshot writer, compaction and recovery (txn_engine.snapshots): PIP-178's
+"""The reference snapshot writer, compaction and recovery (txn_engine.reference.snapshots): PIP-178's
 scenarios, the leak of PIP-178 as written, crashes, racing writers, bad rows, random histories."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 
 from tests.snapshot_histories import full_replay, op_lists, replay_topic, simulate
-from txn_engine.log_types import BufferState, LogEntry, TxnId
-from txn_engine.positions import EARLIEST, Position
-from txn_engine.snapshots import Crash, SnapshotLog, live_snapshot, recover, recover_pip178_as_written, split_snapshot
-from txn_engine.snapshot_format import SnapshotConfig, SnapshotError, Source, segment_bytes
+from txn_engine.core.log_types import BufferState, LogEntry, TxnId
+from txn_engine.core.positions import EARLIEST, Position
+from txn_engine.reference.snapshots import Crash, SnapshotLog, live_snapshot, recover, recover_pip178_as_written, split_snapshot
+from txn_engine.snapshots.format import SnapshotConfig, SnapshotError, Source, segment_bytes
 
 T = "orders-partition-0"
 

@@ -164,8 +164,8 @@ import importlib.util, json, sys
 from resources.spark import get_spark
 
 def where(_):
-    import sys, txn_engine.positions
-    yield {"executable": sys.executable, "txn_engine": txn_engine.positions.__file__,
+    import sys, txn_engine.core.positions
+    yield {"executable": sys.executable, "txn_engine": txn_engine.core.positions.__file__,
            **{p: importlib.util.find_spec(p).origin for p in ("assets", "resources", "pipelines")}}
 
 spark = get_spark()
@@ -189,5 +189,5 @@ def test_executors_run_the_shipped_code_with_this_python(spark_cluster, tmp_path
     for seen in probe["seen"]:
         assert seen.pop("executable") == sys.executable
         for package, origin in seen.items():
-            # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/positions.py
+            # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/core/positions.py
             assert "txnlake-code-" in origin and ".zip/" in origin, (package, origin)

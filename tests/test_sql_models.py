@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.rows import entry, write_jsonl
-from txn_engine.errors import InputFileError, TableMissingError
-from txn_engine.ingest import ingest_files
-from txn_engine.sql_models import discover_models, known_tables, load_model, referenced_tables, run_model
+from txn_engine.core.errors import InputFileError, TableMissingError
+from txn_engine.log.ingest import ingest_files
+from txn_engine.sql.models import discover_models, known_tables, load_model, referenced_tables, run_model
 
 
 @pytest.mark.parametrize(

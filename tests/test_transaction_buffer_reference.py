@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from txn_engine.log_types import BufferState, LogEntry, TxnId, TxnState
-from txn_engine.positions import EARLIEST, Position, position_before
-from txn_engine.transaction_buffer import (
+from txn_engine.core.log_types import BufferState, LogEntry, TxnId, TxnState
+from txn_engine.core.positions import EARLIEST, Position, position_before
+from txn_engine.reference.transaction_buffer import (
     TopicTransactionBuffer,
     commit_order,
     ledger_order,

@@ -1,0 +1,331 @@
+"""The transaction-buffer kernel on Spark: a group per topic, fed narrow columns, wide rows joined after.
+
+Every fact of the buffer is a topic's own (as a broker keeps a transaction buffer per topic), so
+Spark only distributes topics: the narrow columns of the scope's entries are grouped by topic
+(with the state rows a topic's run reads, cogrouped), and each group runs `kernel.scope_tables`
+in a Python worker. No payload reaches Python: the kernel returns its narrow tables and its
+decisions on rows (`VISIBLE`, `PENDING`), and Spark joins those with the full rows and writes.
+
+All outputs of a group come back as one frame: a `kind` column naming the table, and one struct
+column per table (null in the rows of the others), split again by `kind`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
+
+from txn_engine.buffer import kernel
+from txn_engine.buffer.kernel import (
+    NARROW_COLUMNS,
+    NARROW_TABLES,
+    PENDING,
+    TABLE_SCHEMAS,
+    TXN_KEY,
+    VIOLATIONS,
+    VISIBLE,
+    ScopeTables,
+    require_ledger_entries,
+)
+from txn_engine.storage.delta_io import NARROW_ROW_BYTES, arrow_schema, fits_driver
+from txn_engine.core.schema import (
+    ABORTED_TXNS,
+    BUFFER_DUPLICATES,
+    BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
+    BUFFER_PENDING_ENTRIES,
+    BUFFER_SEQUENCE_RANGES,
+    COMMITTED_ENTRIES,
+    COMMITTED_ENTRIES_SCHEMA,
+    LEDGER_ENTRIES_SCHEMA,
+    LEDGER_ENTRY_COLUMNS,
+    POSITION_COLUMNS,
+    STABLE_POSITIONS,
+    TXN_MARKERS,
+)
+from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, conform
+
+_POSITIONS = [StructField(c, StringType() if c == "topic" else LongType()) for c in POSITION_COLUMNS]
+DECISION_SCHEMAS: dict[str, StructType] = {
+    **{name: TABLE_SCHEMAS[name] for name in NARROW_TABLES},
+    VISIBLE: StructType([*_POSITIONS, StructField("visible_ledger_id", LongType()), StructField("visible_entry_id", LongType()),
+                         StructField("local_seq", LongType()), StructField("in_stable_prefix", BooleanType())]),
+    PENDING: StructType(_POSITIONS),
+    "violations": StructType([StructField(v, LongType()) for v in VIOLATIONS]),
+}
+# What a topic's run reads of the state: the narrow columns of the pending rows, not their payloads.
+STATE_SCHEMAS: dict[str, StructType] = {
+    BUFFER_SEQUENCE_RANGES: TABLE_SCHEMAS[BUFFER_SEQUENCE_RANGES],
+    BUFFER_LEDGER_TXNS: TABLE_SCHEMAS[BUFFER_LEDGER_TXNS],
+    BUFFER_PENDING_ENTRIES: StructType([f for f in LEDGER_ENTRIES_SCHEMA.fields if f.name in NARROW_COLUMNS]),
+}
+_TOPIC_ONLY = "topic"  # a state row that only makes its topic a group: every catalog topic gets a stable position
+
+
+def _nullable(schema: StructType) -> StructType:
+    return StructType([StructField(f.name, f.dataType, True) for f in schema.fields])
+
+
+def _union_schema(schemas: Mapping[str, StructType]) -> StructType:
+    return StructType([StructField("topic", StringType()), StructField("kind", StringType()),
+                       *[StructField(name, _nullable(schema)) for name, schema in schemas.items()]])
+
+
+OUTPUT_SCHEMA = _union_schema(DECISION_SCHEMAS)
+
+
+def _union_rows(frame: DataFrame, name: str, schemas: Mapping[str, StructType]) -> DataFrame:
+    """The rows of `frame` (table `name`'s columns and `topic`) in the union shape of `schemas`."""
+    return frame.select(F.col("topic"), F.lit(name).alias("kind"), *[
+        (F.struct(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields]) if n == name
+         else F.lit(None).cast(_nullable(schema))).alias(n) for n, schema in schemas.items()])
+
+
+def _as_union(parts: Mapping[str, pa.Table], schema: StructType, topic: str) -> pa.Table:
+    """One Arrow table in `schema`'s union shape from tables by name (each conformed to its struct)."""
+    target = arrow_schema(schema)
+    batches = []
+    for name, rows in parts.items():
+        n = rows.num_rows
+        if not n:
+            continue
+        columns = []
+        for field in target:
+            if field.name == "topic":
+                columns.append(pa.array([topic] * n, pa.string()))
+            elif field.name == "kind":
+                columns.append(pa.array([name] * n, pa.string()))
+            elif field.name == name:
+                columns.append(pa.StructArray.from_arrays(
+                    [rows[f.name].combine_chunks().cast(f.type) for f in field.type], fields=list(field.type)))
+            else:
+                columns.append(pa.nulls(n, field.type))
+        batches.append(pa.RecordBatch.from_arrays(columns, schema=target))
+    return pa.Table.from_batches(batches, schema=target)
+
+
+def _of_kind(union: pa.Table, name: str) -> pa.Table:
+    """The rows of table `name` from a union table, as a plain table."""
+    rows = union.filter(pc.equal(union["kind"], name))[name]
+    return pa.Table.from_batches([pa.RecordBatch.from_struct_array(c) for c in rows.chunks],
+                                 schema=pa.schema(list(rows.type))) if rows.num_chunks else pa.schema(list(rows.type)).empty_table()
+
+
+def _decisions(decided: ScopeTables, topic: str) -> pa.Table:
+    parts = {name: table for name, table in decided.tables.items()}
+    parts[VISIBLE] = parts[VISIBLE].drop_columns(["_row"])
+    parts[PENDING] = parts[PENDING].drop_columns(["_row"])
+    parts["violations"] = pa.Table.from_pylist([{v: int(decided.violations.get(v, 0)) for v in VIOLATIONS}])
+    return _as_union(parts, OUTPUT_SCHEMA, topic)
+
+
+@dataclass(frozen=True)
+class _ScopeRun:
+    """A topic's run of the kernel with a state: what the driver planned, shipped to the workers (small:
+    a row per topic and per ledger of the catalog)."""
+
+    scope: frozenset[int]
+    old_stable: dict[str, int]
+    ledgers: dict[str, list[tuple[str, int, int]]]
+    spared: tuple[tuple[str, int], ...]
+    retained: tuple[tuple[str, int], ...]
+
+    def __call__(self, key: tuple[pa.Scalar, ...], narrow: pa.Table, state: pa.Table) -> pa.Table:
+        topic = key[0].as_py()
+        state_tables = {name: _of_kind(state, name) for name in STATE_SCHEMAS}
+        narrow = narrow.select(list(NARROW_COLUMNS))
+        if not narrow.num_rows:
+            narrow = arrow_schema(STATE_SCHEMAS[BUFFER_PENDING_ENTRIES]).empty_table().select(list(NARROW_COLUMNS))
+        decided = kernel.scope_tables(
+            narrow, set(self.scope), lambda table, rows: state_tables[table].filter(rows), self.old_stable,
+            self.ledgers.get(topic, []), self.spared, self.retained)
+        return _decisions(decided, topic)
+
+
+def _full_run(key: tuple[pa.Scalar, ...], narrow: pa.Table) -> pa.Table:
+    return _decisions(kernel.full_scope_tables(narrow.select(list(NARROW_COLUMNS))), key[0].as_py())
+
+
+@dataclass
+class SparkDecisions:
+    """The kernel's outputs on Spark, persisted once and read per table."""
+
+    frame: DataFrame
+
+    def table(self, name: str) -> DataFrame:
+        schema = DECISION_SCHEMAS[name]
+        return self.frame.where(F.col("kind") == name).select(
+            *[F.col(f"{name}.{f.name}").cast(f.dataType).alias(f.name) for f in schema.fields])
+
+    def violations(self) -> dict[str, int]:
+        row = self.table("violations").agg(*[F.coalesce(F.sum(v), F.lit(0)).alias(v) for v in VIOLATIONS]).first()
+        return {v: int(row[v]) for v in VIOLATIONS}
+
+    def unpersist(self) -> None:
+        self.frame.unpersist()
+
+
+def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
+    """The kernel over every topic of `entries` (ledger_entries rows), with no state; `persist`:
+    computed once for all the tables read (else each read of a table runs it again)."""
+    narrow = entries.select(*NARROW_COLUMNS)
+    decided = narrow.groupBy("topic").applyInArrow(_full_run, OUTPUT_SCHEMA)
+    return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
+
+
+def facts_of_log(entries: DataFrame) -> BufferTables:
+    """The narrow `BufferTables` of `entries` (ledger_entries rows): the kernel's full run."""
+    return BufferTables(decide_full(entries))
+
+
+def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
+    topic = key[0].as_py()
+    txns = kernel.txns_from_ledger_txns(kernel.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
+    last = ledger_txns.group_by(["ledger_id"], use_threads=False).aggregate([("last_entry_id", "max")])
+    ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["last_entry_id_max"].to_pylist())]
+    return _as_union({TXN_MARKERS: kernel.markers_from_txns(txns),
+                      STABLE_POSITIONS: kernel.stable_positions(txns, ledgers)}, OUTPUT_SCHEMA, topic)
+
+
+def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> BufferTables:
+    """The markers, stable positions and duplicates (`BufferTables`) folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
+    topic) and the `buffer_duplicates` of the same log."""
+    folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
+    duplicate_rows = _union_rows(duplicates, BUFFER_DUPLICATES, DECISION_SCHEMAS)
+    return BufferTables(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
+
+
+@dataclass
+class BufferTables:
+    """The buffer's tables of a whole log by the kernel on Spark, computed once when first read;
+    `unpersist()` when done. `entries` (the log's full rows) only for `committed_entries`."""
+
+    decided: SparkDecisions
+    entries: DataFrame | None = None
+
+    @property
+    def txn_markers(self) -> DataFrame:
+        return self.decided.table(TXN_MARKERS)
+
+    @property
+    def aborted_txns(self) -> DataFrame:
+        return self.decided.table(ABORTED_TXNS)
+
+    @property
+    def stable_positions(self) -> DataFrame:
+        return self.decided.table(STABLE_POSITIONS)
+
+    @property
+    def duplicates(self) -> DataFrame:
+        return self.decided.table(BUFFER_DUPLICATES)
+
+    @property
+    def txns(self) -> DataFrame:
+        """The decided transactions: the first marker's outcome, `marker_ledger_id`, `marker_entry_id`."""
+        return self.txn_markers.withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
+            "entry_id", "marker_entry_id")
+
+    @property
+    def committed_entries(self) -> DataFrame:
+        return committed_rows(self.decided, self.entries.select(*LEDGER_ENTRY_COLUMNS))
+
+    @property
+    def violations(self) -> dict[str, int]:
+        return self.decided.violations()
+
+    def unpersist(self) -> None:
+        self.decided.unpersist()
+
+
+def compute_buffer_tables(entries: DataFrame) -> BufferTables:
+    """`BufferTables` of `entries` (ledger_entries rows)."""
+    require_ledger_entries(entries)
+    return BufferTables(decide_full(entries), entries)
+
+
+def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: DataFrame, scope: Iterable[int],
+                 old_stable: Mapping[str, int], ledgers: Iterable[tuple[str, int, int]], spared: Iterable[tuple[str, int]],
+                 retained: Iterable[tuple[str, int]]) -> SparkDecisions:
+    """The kernel over the scope's entries, each topic cogrouped with the state rows it may read.
+
+    `state`: per state table (`STATE_SCHEMAS`), the kept rows a topic's run may ask for (a superset:
+    the kernel filters them exactly); `topics`: a `topic` column of every topic to decide (the
+    catalog's), so each gets its stable position even without entries in the scope.
+    """
+    by_topic: dict[str, list[tuple[str, int, int]]] = {}
+    for topic, ledger, last in ledgers:
+        by_topic.setdefault(topic, []).append((topic, ledger, last))
+    run = _ScopeRun(frozenset(int(i) for i in scope), dict(old_stable), by_topic, tuple(spared), tuple(retained))
+
+    rows = [_union_rows(state[name], name, STATE_SCHEMAS) for name in STATE_SCHEMAS]
+    rows.append(_union_rows(topics.select("topic").distinct(), _TOPIC_ONLY, STATE_SCHEMAS))
+    state_rows = rows[0]
+    for frame in rows[1:]:
+        state_rows = state_rows.unionByName(frame)
+    narrow = entries.select(*NARROW_COLUMNS)
+
+    def decide(key: tuple[pa.Scalar, ...], narrow: pa.Table, state: pa.Table) -> pa.Table:
+        return run(key, narrow, state)  # a plain function: PySpark counts its parameters
+
+    decided = narrow.groupBy("topic").cogroup(state_rows.groupBy("topic")).applyInArrow(decide, OUTPUT_SCHEMA)
+    return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
+
+
+def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
+    """`committed_entries`: the full `rows` the kernel decided visible, with its decisions."""
+    visible = decided.table(VISIBLE)
+    # Broadcast while the decisions fit: the full rows then stream past them, never shuffled.
+    if fits_driver(visible, BROADCAST_MAX_BYTES, NARROW_ROW_BYTES):
+        visible = F.broadcast(visible)
+    return conform(rows.join(visible, list(POSITION_COLUMNS)), COMMITTED_ENTRIES_SCHEMA)
+
+
+def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None) -> dict[str, DataFrame]:
+    """Every table of the run: the kernel's narrow tables, and the full rows it decided on joined in.
+
+    `entries`: the scope's full rows; `pending_rows`: the stored pending rows of older ledgers a
+    commit in the scope can make visible (full rows; None for a run with no state)."""
+    tables = {name: decided.table(name) for name in NARROW_TABLES}
+    rows = entries.select(*LEDGER_ENTRY_COLUMNS)
+    if pending_rows is not None:
+        rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
+    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows)
+    # Only the ledgers that hold pending rows are read again.
+    pending = decided.table(PENDING)
+    ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
+    tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
+        *LEDGER_ENTRY_COLUMNS).join(pending, list(POSITION_COLUMNS), "left_semi")
+    return tables
+
+
+def state_reads(state: Mapping[str, DataFrame], entries: DataFrame, old_stable: Mapping[str, int]) -> dict[str, DataFrame]:
+    """The kept state rows the scope's topics may read (a superset of what `scope_tables` asks):
+    the sequence ranges of the scope's producers; the `buffer_ledger_txns` and pending rows of
+    the transactions the scope touches or that may still be ongoing (kept data, no marker, at or
+    after the topic's stored stable ledger)."""
+    producers = entries.where(F.col("producer_id").isNotNull()).select("topic", "producer_id").distinct()
+    ranges = state[BUFFER_SEQUENCE_RANGES].join(producers, ["topic", "producer_id"], "left_semi")
+    ledger_txns = state[BUFFER_LEDGER_TXNS]
+    stable = entries.sparkSession.createDataFrame(
+        pa.table({"topic": pa.array(list(old_stable), pa.string()), "_sl": pa.array(list(old_stable.values()), pa.int64())}))
+    maybe_ongoing = (
+        ledger_txns.where((F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
+        .join(F.broadcast(stable), "topic", "left")
+        .where(F.col("_sl").isNull() | (F.col("ledger_id") >= F.col("_sl")))
+        .select(*TXN_KEY)
+    )
+    touched = entries.where(F.col("txn_least_bits").isNotNull()).select(*TXN_KEY)
+    keys = touched.unionByName(maybe_ongoing).distinct()
+    return {
+        BUFFER_SEQUENCE_RANGES: ranges,
+        BUFFER_LEDGER_TXNS: ledger_txns.join(keys, list(TXN_KEY), "left_semi"),
+        BUFFER_PENDING_ENTRIES: state[BUFFER_PENDING_ENTRIES].join(keys, list(TXN_KEY), "left_semi"),
+    }
+

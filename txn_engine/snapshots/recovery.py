@@ -1,0 +1,388 @@
+"""Recovery in the driver, as a broker recovers in-process: no Spark job on the usual path.
+
+Why (docs/snapshots.md, "Recovery in the driver"): recovery's work is small (a snapshot index of a
+few rows, one abort array per topic, the entries after the snapshots), but on Spark it is ~10 jobs
+whose fixed cost alone exceeds a full replay of a million-entry log. This path reads the segments,
+`ledger_states` and the tail of `ledger_entries` with delta-rs/pyarrow (the Delta file statistics
+skip the files of older ledgers, as on Spark), replays the tail through the buffer kernel
+(`kernel`, the same input as the Spark path's: `_replay_input`), keeps the snapshot's abort
+set as Arrow from segment to result, and writes `recovered_buffer_state` in one delta-rs commit.
+
+Its result is the Spark path's (`snapshots.jobs.recover_buffer_states`): the same row rules (the
+functions of `snapshots.index`, which both paths call), `live_snapshots` restated over Arrow rows
+below, the same trimming, anchor and replay; the tests hold both paths equal, row for row, and
+equal to the full replay. Spark still does what is large: topics without a usable snapshot are
+replayed in full on Spark (`full_replay_states`), and a tail beyond `DriverLimits` sends the whole
+recovery to Spark.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from deltalake import DeltaTable
+from pyspark.sql import functions as F
+
+from txn_engine.buffer import kernel
+from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
+from txn_engine.storage.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
+from txn_engine.log.ledgers import stale_catalog
+from txn_engine.core.log_types import EntryType
+from txn_engine.core.positions import Position
+from txn_engine.core.schema import (
+    ABORT_STRUCT,
+    ABORTED_TXNS,
+    LEDGER_ENTRIES,
+    LEDGER_ENTRIES_SCHEMA,
+    LEDGER_STATES_LOG,
+    LEDGER_STATES_SCHEMA,
+    LEDGERS,
+    LEDGERS_SCHEMA,
+    RECOVERED_BUFFER_STATE,
+    RECOVERED_BUFFER_STATE_SCHEMA,
+    STABLE_POSITIONS,
+    TXN_SNAPSHOT_SEGMENTS,
+    TXN_SNAPSHOT_SEGMENTS_SCHEMA,
+)
+from txn_engine.snapshots.jobs import full_replay_states, recover_from_warehouse
+from txn_engine.snapshots.index import bad_row_reasons, end_keys
+from txn_engine.snapshots.format import Source
+from txn_engine.storage.warehouse import Warehouse
+
+ABORTS_TYPE = arrow_type(ABORT_STRUCT)
+RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class DriverLimits:
+    """How much tail the driver replays; beyond, the whole recovery runs on Spark. The triggers
+    keep a tail short (1000 changes by default), so these bound only a stale or missing snapshot."""
+
+    max_scanned_entries: int = 2_000_000  # rows of the files left after skipping (read as Arrow)
+    max_replayed_entries: int = 200_000  # entries after the snapshots (fed one by one in Python)
+
+
+@dataclass
+class RecoverySummary:
+    path: str  # "driver" or "spark" (the tail exceeded DriverLimits)
+    topics: int = 0
+    replayed_entries: int = 0
+    full_replay_topics: list[str] = field(default_factory=list)  # replayed in full on Spark
+    seconds: dict[str, float] = field(default_factory=dict)  # per step
+
+
+# -- the snapshot index over Arrow rows (the rules of snapshots.jobs.live_snapshots) -----------------
+
+@dataclass(frozen=True)
+class IndexedSnapshot:
+    """One topic of the snapshot index: its live snapshot (rows: parts in order, then the end), or why none."""
+
+    topic: str
+    snapshot_id: int | None = None
+    max_read: Position | None = None
+    rows: tuple[int, ...] = ()
+    fallback_reason: str | None = None
+
+
+def snapshot_index(segments: pa.Table) -> tuple[dict[str, IndexedSnapshot], pa.ListArray]:
+    """Per topic with segment rows, its live snapshot or why it cannot be used; and the aborts column."""
+    meta = segments.drop_columns(["aborts"]).to_pylist()
+    aborts = segments.column("aborts").combine_chunks() if segments.num_rows else pa.array([], pa.list_(ABORTS_TYPE))
+    sizes = pc.fill_null(pc.list_value_length(aborts), 0).to_pylist()
+    reasons = bad_row_reasons(segments).to_pylist()
+    is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
+
+    bad: dict[str, str] = {}
+    ends: dict[str, int] = {}  # topic -> row of its latest good topic-end
+    for i, (row, why) in enumerate(zip(meta, reasons)):
+        topic = row["topic"]
+        if topic is None:
+            continue
+        if why is not None:
+            bad[topic] = min(bad.get(topic, why), why)
+        elif is_end[i] and (topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
+            ends[topic] = i
+    live = {t: i for t, i in ends.items() if not meta[i]["tombstone"]}
+    parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
+    for i, (row, why) in enumerate(zip(meta, reasons)):
+        end = live.get(row["topic"])
+        if why is not None or end is None or row["tombstone"] or is_end[i]:
+            continue
+        e = meta[end]
+        if row["snapshot_id"] == e["snapshot_id"] and row["segment_index"] < e["segment_count"]:
+            mine = parts.setdefault(row["topic"], {})
+            j = mine.get(row["segment_index"])
+            if j is None or row["write_seq"] > meta[j]["write_seq"]:
+                mine[row["segment_index"]] = i
+
+    index = {}
+    for topic in sorted({r["topic"] for r in meta if r["topic"] is not None}):
+        end = live.get(topic)
+        if topic in bad:
+            index[topic] = IndexedSnapshot(topic, fallback_reason=bad[topic])
+            continue
+        if end is None:
+            index[topic] = IndexedSnapshot(topic, fallback_reason=f"no live '{topic}-end' segment (no completed snapshot)")
+            continue
+        e = meta[end]
+        mine = parts.get(topic, {})
+        rows = (*(mine[k] for k in sorted(mine)), end)
+        held = sum(sizes[i] for i in rows)
+        reason = None
+        if len(mine) != e["segment_count"] - 1:
+            reason = (f"snapshot {e['snapshot_id']} lacks {e['segment_count'] - 1 - len(mine)} of its "
+                      f"{e['segment_count']} segments")
+        elif held != e["abort_count"]:
+            reason = f"snapshot {e['snapshot_id']} holds {held} aborts, its index says {e['abort_count']}"
+        index[topic] = IndexedSnapshot(topic, e["snapshot_id"], Position(e["max_read_ledger_id"], e["max_read_entry_id"]),
+                                       rows, reason) if reason is None else IndexedSnapshot(topic, fallback_reason=reason)
+    return index, aborts
+
+
+def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[int]) -> pa.StructArray:
+    """A snapshot's abort set (its rows' arrays in order), minus the aborts of DELETED ledgers."""
+    kept = pa.concat_arrays([aborts[i].values.cast(ABORTS_TYPE) for i in rows]) if rows else pa.array([], ABORTS_TYPE)
+    if deleted and len(kept):
+        kept = kept.filter(pc.invert(pc.is_in(kept.field("ledger_id"), pa.array(sorted(deleted), pa.int64()))))
+    return kept
+
+
+def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
+    """Per topic, the ledgers whose latest recorded state (`ledger_states`) is DELETED."""
+    latest: dict[tuple[str, int], tuple] = {}
+    for r in states.select(["topic", "ledger_id", "state", "recorded_at"]).to_pylist():
+        key = (r["topic"], r["ledger_id"])
+        if key not in latest or (r["recorded_at"] is not None and (latest[key][0] is None or r["recorded_at"] > latest[key][0])):
+            latest[key] = (r["recorded_at"], r["state"])
+    deleted: dict[str, set[int]] = {}
+    for (topic, ledger), (_, state) in latest.items():
+        if state == "DELETED":
+            deleted.setdefault(topic, set()).add(ledger)
+    return deleted
+
+
+# -- the replay ---------------------------------------------------------------------------------
+
+def _replay_input(topic: str, kept: pa.StructArray, anchor: Position | None, tail: pa.Table) -> pa.Table:
+    """What the kernel replays after a snapshot (as `snapshots.jobs._replay_input` on Spark): the tail,
+    with every entry of a transaction in the snapshot's trimmed abort set (`kept`) made plain (no
+    transaction, no sequence: it is closed, so a later marker is a duplicate and later data late,
+    both only moving the log's end), and one plain entry at the anchor (the log's end so far and
+    the previous non-empty ledger of the position-before rule)."""
+    closed = pa.table({"txn_most_bits": kept.field("txn_most_bits"), "txn_least_bits": kept.field("txn_least_bits"),
+                       "_closed": pa.array([True] * len(kept), pa.bool_())})
+    rows = tail.join(closed, ["txn_most_bits", "txn_least_bits"], join_type="left outer") if len(kept) else \
+        tail.append_column("_closed", pa.nulls(tail.num_rows, pa.bool_()))
+    plain = pc.fill_null(rows["_closed"], False)
+    for name in ("txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id"):
+        rows = rows.set_column(rows.schema.get_field_index(name), name,
+                               pc.if_else(plain, pa.nulls(rows.num_rows, rows.schema.field(name).type), rows[name]))
+    rows = rows.set_column(rows.schema.get_field_index("entry_type"), "entry_type",
+                           pc.if_else(plain, pa.scalar(EntryType.DATA.value), rows["entry_type"]))
+    rows = rows.select(list(NARROW_COLUMNS))
+    if anchor is not None:
+        at = {c: None for c in NARROW_COLUMNS} | {"topic": topic, "ledger_id": anchor.ledger_id,
+                                                  "entry_id": anchor.entry_id, "entry_type": EntryType.DATA.value}
+        rows = pa.concat_tables([rows, pa.Table.from_pylist([at], schema=rows.schema)])
+    return rows
+
+
+def _in_position_order(aborts: pa.StructArray) -> pa.StructArray:
+    """The aborts in abort-marker order, as the full replay orders them (sorted only when needed)."""
+    n = len(aborts)
+    if n < 2:
+        return aborts
+    lid, eid = aborts.field("ledger_id"), aborts.field("entry_id")
+    a_l, b_l, a_e, b_e = lid.slice(0, n - 1), lid.slice(1), eid.slice(0, n - 1), eid.slice(1)
+    if pc.all(pc.or_(pc.less(a_l, b_l), pc.and_(pc.equal(a_l, b_l), pc.less(a_e, b_e)))).as_py():
+        return aborts
+    keys = [(c, "ascending") for c in ("ledger_id", "entry_id", "txn_most_bits", "txn_least_bits")]
+    return aborts.take(pc.sort_indices(pa.RecordBatch.from_struct_array(aborts), sort_keys=keys))
+
+
+def replay_after_snapshot(topic: str, kept: pa.StructArray, anchor: Position | None,
+                          tail: pa.Table) -> tuple[Position, pa.StructArray] | None:
+    """The buffer of `topic` from its trimmed snapshot aborts (`kept`), the anchor (the last remaining
+    entry at or before the max read position) and the entries after it (`tail`: narrow columns),
+    decided by the buffer kernel: its max read position, and `kept` followed by the new aborts in
+    abort-marker order. None when the topic has neither anchor nor entries (the Spark path has no
+    row then)."""
+    replayed = _replay_input(topic, kept, anchor, tail.select(list(NARROW_COLUMNS)))
+    if not replayed.num_rows:
+        return None
+    decided = kernel.full_scope_tables(replayed)
+    (stable,) = decided.tables[STABLE_POSITIONS].to_pylist()
+    new = decided.tables[ABORTED_TXNS]
+    added = pa.StructArray.from_arrays([new["txn_most_bits"].combine_chunks(), new["txn_least_bits"].combine_chunks(),
+                                        new["abort_ledger_id"].combine_chunks(), new["abort_entry_id"].combine_chunks()],
+                                       fields=list(ABORTS_TYPE))
+    aborts = pa.concat_arrays([kept.cast(ABORTS_TYPE), added]) if len(added) else kept
+    return Position(stable["max_read_ledger_id"], stable["max_read_entry_id"]), _in_position_order(aborts)
+
+
+# -- reading, planning and writing --------------------------------------------------------------
+
+@contextmanager
+def _step(seconds: dict[str, float], name: str) -> Iterator[None]:
+    started = time.perf_counter()
+    yield
+    seconds[name] = round(time.perf_counter() - started, 3)
+
+
+def _log_topics(warehouse: Warehouse, log: DeltaTable) -> set[str]:
+    """Every topic of the log. From the `ledgers` catalog when it is fresh (`stale_catalog`): a row
+    per ledger, and a ledger not DELETED there has entries; a topic with DELETED ledgers only is
+    looked up in the files of those ledgers (retention may have stopped before their entries went).
+    Else from the log's `topic` column, read batch by batch (dictionary-encoded): the driver holds
+    the set of topics and one batch, never the column."""
+    if warehouse.exists(LEDGERS) and stale_catalog(warehouse) is None:
+        catalog = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"])
+        deleted = pc.equal(catalog["state"], "DELETED")
+        topics = set(pc.unique(catalog.filter(pc.invert(deleted))["topic"]).to_pylist())
+        gone = catalog.filter(pc.and_(deleted, pc.invert(pc.is_in(catalog["topic"], pa.array(sorted(topics), pa.string())))))
+        if gone.num_rows:
+            left = scan(log.to_pyarrow_dataset(), ledger_filter(gone["ledger_id"]), ["topic"],
+                        on_rows=ds.field("topic").isin(pc.unique(gone["topic"])))
+            topics.update(pc.unique(left["topic"]).to_pylist())
+        return topics
+    dataset = log.to_pyarrow_dataset(parquet_read_options=ds.ParquetReadOptions(dictionary_columns={"topic"}))
+    topics: set[str] = set()
+    for batch in dataset.to_batches(columns=["topic"]):
+        chunk = batch.column(0)
+        if isinstance(chunk, pa.DictionaryArray):
+            topics.update(chunk.dictionary.take(pc.unique(chunk.indices)).to_pylist())
+        else:
+            topics.update(pc.unique(chunk).to_pylist())
+    topics.discard(None)
+    return topics
+
+
+def files_from_ledger(log: DeltaTable, lowest: int) -> ds.Dataset:
+    """The log's files that may hold ledgers >= `lowest` (by their Delta min/max statistics)."""
+    return log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id >= {lowest}")
+
+
+def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLimits) -> pa.Table | None:
+    """The entries after each usable snapshot's max read position (narrow columns, sorted by
+    topic and position), or None when they exceed `limits`. Ledger ids increase with creation time
+    (BookKeeper), so they all lie in ledgers >= the lowest max read ledger: the file statistics
+    skip every older file (as `snapshots.jobs.entries_after_snapshots` does on Spark)."""
+    columns = list(NARROW_COLUMNS)
+    lowest = min(s.max_read.ledger_id for s in usable.values())
+    dataset = files_from_ledger(log, lowest)
+    if dataset.count_rows() > limits.max_scanned_entries:
+        return None
+    topics = sorted(usable)
+    rows = scan(dataset, ds.field("ledger_id") >= lowest, columns, on_rows=ds.field("topic").isin(topics))
+    at = pc.index_in(rows.column("topic"), pa.array(topics))
+    sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
+    se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
+    lid, eid = rows.column("ledger_id"), rows.column("entry_id")
+    after = pc.or_(pc.greater(lid, sl), pc.and_(pc.equal(lid, sl), pc.greater(eid, se)))
+    rows = rows.filter(after)
+    if rows.num_rows > limits.max_replayed_entries:
+        return None
+    return rows.take(pc.sort_indices(rows, sort_keys=[("topic", "ascending"), ("ledger_id", "ascending"),
+                                                      ("entry_id", "ascending")]))
+
+
+def _anchor(log: DeltaTable, topic: str, snap: IndexedSnapshot, deleted: set[int]) -> Position | None:
+    """The last remaining position at or before the max read position (`snapshots.jobs._anchors`):
+    the max read position unless its ledger was deleted, then the last entry of an older ledger."""
+    if snap.max_read.entry_id < 0:
+        return None
+    if snap.max_read.ledger_id not in deleted:
+        return snap.max_read
+    older = scan(log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id < {snap.max_read.ledger_id}"),
+                 ds.field("ledger_id") < snap.max_read.ledger_id, ["ledger_id", "entry_id"],
+                 on_rows=ds.field("topic") == topic, on_rows_columns=["topic"])
+    if not older.num_rows:
+        return None
+    last = pc.max(older.column("ledger_id")).as_py()
+    return Position(last, pc.max(older.filter(pc.equal(older.column("ledger_id"), last)).column("entry_id")).as_py())
+
+
+def _spark_full_replays(warehouse: Warehouse, topics: list[str]) -> list[dict]:
+    """The full replay on Spark of `topics` (no usable snapshot), with their entry counts."""
+    entries = warehouse.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics))
+    counts = entries.groupBy("topic").agg(F.count("*").alias("replayed_entries"))
+    replayed = full_replay_states(entries).join(counts, "topic").toArrow()
+    aborts = replayed.column("aborts").combine_chunks()
+    return [{**r, "aborts": aborts[i].values.cast(ABORTS_TYPE)}
+            for i, r in enumerate(replayed.drop_columns(["aborts"]).to_pylist())]
+
+
+def recovered_table(rows: list[dict]) -> pa.Table:
+    """`recovered_buffer_state` rows (aborts as StructArrays) as one Arrow table, sorted by topic."""
+    rows = sorted(rows, key=lambda r: r["topic"])
+    offsets = [0]
+    for r in rows:
+        offsets.append(offsets[-1] + len(r["aborts"]))
+    values = pa.concat_arrays([r["aborts"] for r in rows]) if rows else pa.array([], ABORTS_TYPE)
+    columns = {f.name: pa.array([r[f.name] for r in rows], f.type) for f in RECOVERED_SCHEMA if f.name != "aborts"}
+    columns["aborts"] = pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values,
+                                                 type=RECOVERED_SCHEMA.field("aborts").type)
+    return pa.table([columns[f.name] for f in RECOVERED_SCHEMA], schema=RECOVERED_SCHEMA)
+
+
+def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimits()) -> RecoverySummary:
+    """Rebuild `recovered_buffer_state` (see the module doc) and write it in one Delta commit."""
+    if not warehouse.exists(LEDGER_ENTRIES):
+        warehouse.read(LEDGER_ENTRIES)  # raises the warehouse's error: what to ingest or materialize
+    seconds: dict[str, float] = {}
+    tables = DeltaTables(warehouse)
+    with _step(seconds, "index"):
+        index, aborts = snapshot_index(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA))
+        deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
+    usable = {t: s for t, s in index.items() if s.fallback_reason is None}
+    log = DeltaTable(warehouse.path(LEDGER_ENTRIES))
+    # The log's version this recovery starts from, in its commit: the check tells a recovery the
+    # log has since moved past (an ingest, a retention) from a wrong one (`stale_recovery`).
+    recovered_from = {version_key(LEDGER_ENTRIES): str(log.version())}
+    with _step(seconds, "tail"):
+        tail = _tail(log, usable, limits) if usable else None
+    if usable and tail is None:
+        with _step(seconds, "spark"):
+            warehouse.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(warehouse), commit_metadata=recovered_from)
+        return RecoverySummary("spark", seconds=seconds)
+    rows = []
+    with _step(seconds, "replay"):
+        for topic, snap in usable.items():
+            gone = deleted.get(topic, set())
+            entries = tail.filter(pc.equal(tail["topic"], topic)) if tail is not None else \
+                arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table().select(list(NARROW_COLUMNS))
+            state = replay_after_snapshot(topic, snapshot_aborts(aborts, snap.rows, gone),
+                                          _anchor(log, topic, snap, gone), entries)
+            if state is not None:
+                rows.append({"topic": topic, "max_read_ledger_id": state[0].ledger_id,
+                             "max_read_entry_id": state[0].entry_id, "aborts": state[1],
+                             "snapshot_id": snap.snapshot_id, "source": Source.SNAPSHOT.value,
+                             "fallback_reason": None, "replayed_entries": entries.num_rows})
+    with _step(seconds, "topics"):
+        others = sorted(_log_topics(warehouse, log) - set(usable))
+    if others:
+        with _step(seconds, "spark_full_replay"):
+            for r in _spark_full_replays(warehouse, others):
+                reason = index[r["topic"]].fallback_reason if r["topic"] in index else "no snapshot yet"
+                rows.append({**r, "snapshot_id": None, "source": Source.FULL_REPLAY.value, "fallback_reason": reason})
+    with _step(seconds, "write"):
+        tables.overwrite(RECOVERED_BUFFER_STATE, recovered_table(rows), RECOVERED_BUFFER_STATE_SCHEMA,
+                         commit_metadata=recovered_from)
+    return RecoverySummary("driver", len(rows), sum(r["replayed_entries"] for r in rows), others, seconds)
+
+
+def stale_recovery(tables: DeltaTables) -> dict[str, int] | None:
+    """When `ledger_entries` changed rows after the version `recovered_buffer_state` was recovered
+    from (rows ingested or deleted since), the two versions; None when it did not (or the recovery
+    predates this record). A full replay of today's log is then no test of it: recover again."""
+    recorded = (tables.last_rows_commit(RECOVERED_BUFFER_STATE) or {}).get(version_key(LEDGER_ENTRIES))
+    changed = None if recorded is None else tables.rows_changed_after(LEDGER_ENTRIES, int(recorded))
+    if changed is None:
+        return None
+    return {"recovered_from_ledger_entries_version": int(recorded), "ledger_entries_version": changed["version"]}

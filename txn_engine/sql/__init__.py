@@ -1,0 +1,1 @@
+"""Analyst SQL models over the warehouse's tables (`dbt-free-sql/`)."""

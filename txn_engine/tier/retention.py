@@ -1,0 +1,241 @@
+"""Retention: delete old ledgers from the hot tables, by default only once they are offloaded.
+
+A policy (age, size, keep-N-ledgers) picks, per topic, a prefix of the oldest ledgers: deleting
+stops at the first ledger the policy keeps or that may not go (OPEN, or not yet offloaded when
+`require_offloaded`), so the hot log of a topic is always a suffix of it and the abort set and
+the stable position of what is left stay meaningful.
+
+Deleting a ledger, in this order (each step idempotent; the state log is the intent):
+1. its last known catalog row goes to `deleted_ledgers` (so `ledgers` keeps listing it);
+2. `ledger_states` records DELETED;
+3. its rows leave the derived hot tables: `committed_entries`, `txn_markers`, and from the abort
+   set `aborted_txns` every abort whose marker was in it (the trim of the brief);
+4. its rows leave `ledger_entries`, last: a ledger recorded DELETED that still has entries is
+   unfinished, and every retention run finishes those first.
+Then the disk: a Delta DELETE only removes files from the table's current version, so every
+(non-dry) run VACUUMs those four tables (delta-rs, full mode): the files removed longer ago than
+a table's `delta.deletedFileRetentionDuration` (Delta's default, 7 days, unless set: readers of
+older versions and time travel need them until then) are deleted. Space is freed that long after
+a ledger is deleted, by the first retention run after that, as Kafka frees a deleted segment
+after `file.delete.delay.ms`.
+The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
+
+A ledger goes only once the buffer's state holds it at the catalog's counts
+(`RetentionPolicy.require_buffered`): its facts below outlive its rows only there, so a ledger
+ingested and deleted with no buffer run between would take them along (a retried send of it read
+as new, data after its marker as an open transaction holding the stable position back for good).
+The policy stops a topic's prefix there, as at a ledger not offloaded, and says so.
+
+Nothing else the buffer decided changes, as in a broker, whose transaction buffer only trims
+its abort set when a ledger goes: the buffer's state keeps the deleted ledgers' facts (per
+transaction and ledger, the sequence ids seen, the data of transactions not decided in their
+own ledger), so data after a marker in a deleted ledger stays late (it does not reopen its
+transaction and stall the stable position), a retried send whose first copy was deleted stays a
+duplicate, and `local_seq` keeps counting a transaction's deleted entries (they are not read). A recompute, full or not, works on top of
+those facts (`refresh`; tested against the reference fed the whole log, then trimmed).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Callable, Iterable
+
+from txn_engine.buffer.refresh import buffer_lock, ledgers_behind, stored_ledger_counts
+from txn_engine.core.errors import TxnlakeError
+from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
+from txn_engine.storage.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
+from txn_engine.tier.offload import LedgerKey, offloaded_ledgers
+from txn_engine.storage.upkeep import vacuum_table
+from txn_engine.core.schema import (
+    ABORTED_TXNS,
+    COMMITTED_ENTRIES,
+    DELETED_LEDGERS,
+    DELETED_LEDGERS_SCHEMA,
+    LEDGER_ENTRIES,
+    TXN_MARKERS,
+)
+from txn_engine.storage.warehouse import Warehouse
+
+# Crash-injection points of `apply_retention`, in order.
+AFTER_CATALOG, AFTER_STATE, AFTER_DERIVED = "after_catalog", "after_state", "after_derived"
+
+
+class RetentionPolicyError(TxnlakeError, ValueError):
+    """A retention policy that cannot be applied."""
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which ledgers to delete, per topic. A ledger goes when any set limit says so."""
+
+    max_age: timedelta | None = None  # its last entry was published longer ago than this
+    max_bytes: int | None = None  # the topic's hot ledgers hold more bytes than this (oldest go first)
+    keep_ledgers: int | None = None  # the topic has more than this many ledgers (oldest go first)
+    require_offloaded: bool = True  # only ledgers the tier already holds
+    # Only ledgers the transaction buffer's state holds at the catalog's counts: their facts (late
+    # data, retried sends, transactions still open) outlive their rows only there (module doc).
+    require_buffered: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_age is None and self.max_bytes is None and self.keep_ledgers is None:
+            raise RetentionPolicyError("a retention policy needs a limit: set max_age, max_bytes or keep_ledgers")
+        for name in ("max_bytes", "keep_ledgers"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise RetentionPolicyError(f"{name} must not be negative, got {value}")
+        if self.max_age is not None and self.max_age < timedelta(0):
+            raise RetentionPolicyError(f"max_age must not be negative, got {self.max_age}")
+
+
+def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: datetime, offloaded: set[LedgerKey],
+                      buffered: set[LedgerKey] | None = None) -> list[LedgerKey]:
+    """The ledgers `policy` deletes, from catalog rows (`ledgers` columns). Pure.
+
+    `buffered`: the ledgers the buffer's state holds (`buffered_ledgers`); None: all of them."""
+    by_topic: dict[str, list[dict]] = {}
+    for row in catalog:
+        if row["state"] != "DELETED":
+            by_topic.setdefault(row["topic"], []).append(row)
+    chosen: list[LedgerKey] = []
+    for topic, rows in sorted(by_topic.items()):
+        rows.sort(key=lambda r: r["ledger_id"])
+        hot_bytes = sum(r["size_bytes"] for r in rows)
+        for n, row in enumerate(rows):
+            key = (topic, row["ledger_id"])
+            too_many = policy.keep_ledgers is not None and len(rows) - n > policy.keep_ledgers
+            too_big = policy.max_bytes is not None and hot_bytes > policy.max_bytes
+            last = row["last_publish_time"]
+            too_old = policy.max_age is not None and last is not None and _utc(last) < now - policy.max_age
+            may_go = row["state"] != "OPEN" and (not policy.require_offloaded or key in offloaded) and (
+                not policy.require_buffered or buffered is None or key in buffered)
+            if not (too_many or too_big or too_old) or not may_go:
+                break  # keep a suffix: never delete past a ledger that stays
+            chosen.append(key)
+            hot_bytes -= row["size_bytes"]
+    return chosen
+
+
+def _utc(moment: datetime) -> datetime:
+    # PySpark hands timestamps back as naive local times; astimezone reads a naive one as local.
+    return moment.astimezone(timezone.utc)
+
+
+# Kafka's default `retention.ms` (7 days): the policy when an operator names no limit.
+DEFAULT_MAX_AGE = timedelta(hours=168)
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_duration(text: str) -> timedelta:
+    """`90m`, `36h`, `7d`, `2w` or plain seconds, as a timedelta (what `--max-age` takes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
+    if not match:
+        raise RetentionPolicyError(f"cannot read {text!r} as an age: write a number with s, m, h, d or w, e.g. 7d or 36h")
+    return timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"])
+
+
+def parse_bytes(text: str) -> int:
+    """`500000`, `512MiB`, `10GB` ... as a number of bytes (what `--max-bytes` takes)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not match or match.group(2) not in _BYTE_UNITS:
+        raise RetentionPolicyError(f"cannot read {text!r} as a size: write bytes, or a number with KB, MB, GB, "
+                                   "KiB, MiB or GiB, e.g. 10GB")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+
+
+@dataclass
+class RetentionResult:
+    deleted: list[LedgerKey] = field(default_factory=list)  # newly chosen by the policy
+    finished: list[LedgerKey] = field(default_factory=list)  # recorded DELETED earlier, entries still there
+    # The chosen ledgers' catalog rows before deletion (entries, bytes): what the run frees.
+    freed_entries: int = 0
+    freed_bytes: int = 0
+    dry_run: bool = False
+    files_reclaimed: int = 0  # files VACUUM deleted from disk (removed by earlier deletes, past their retention)
+    # Ledgers the policy would delete but the buffer's state does not hold yet (kept, with those after them).
+    waiting_for_buffer: list[LedgerKey] = field(default_factory=list)
+
+
+def buffered_ledgers(wh: Warehouse, catalog: Iterable[dict]) -> set[LedgerKey]:
+    """The catalog's ledgers the transaction buffer's state holds at their counts (delta-rs reads)."""
+    rows = list(catalog)
+    now = {(r["topic"], r["ledger_id"]): (int(r["entry_count"]), int(r["last_entry_id"])) for r in rows
+           if r["entry_count"] is not None and r["last_entry_id"] is not None}
+    return set(now) - set(ledgers_behind(now, stored_ledger_counts(wh)))
+
+
+def apply_retention(
+    warehouse: Warehouse,
+    policy: RetentionPolicy,
+    now: datetime | None = None,
+    crash_hook: Callable[[str], None] | None = None,
+    dry_run: bool = False,
+    driver_write_max_bytes: int = DRIVER_WRITE_MAX_BYTES,
+) -> RetentionResult:
+    """Delete what `policy` chooses (and finish interrupted deletions). See the module doc for the steps.
+
+    With `dry_run` nothing is written: the result says what a real run would delete and free. When
+    the log's entries (the catalog's `size_bytes`) come to at most `driver_write_max_bytes`, the
+    deletes go through delta-rs (`delta_io.delete_ledgers`), else through Spark's DELETE.
+    """
+    wh = warehouse
+    now = now or datetime.now(timezone.utc)
+    log = wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
+    catalog = [r.asDict() for r in current_ledger_catalog(wh, log).collect()]
+    present = {(r.topic, r.ledger_id) for r in log.select("topic", "ledger_id").distinct().collect()}
+    unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
+    offloaded = offloaded_ledgers(wh)
+    chosen = ledgers_to_delete(catalog, policy, now, offloaded, buffered_ledgers(wh, catalog))
+    waiting = sorted(set(ledgers_to_delete(catalog, policy, now, offloaded)) - set(chosen))
+    chosen_set = set(chosen)
+    chosen_rows = [r for r in catalog if (r["topic"], r["ledger_id"]) in chosen_set]  # their last known catalog rows
+    result = RetentionResult(deleted=chosen, finished=unfinished, dry_run=dry_run, waiting_for_buffer=waiting,
+                             freed_entries=sum(int(r["entry_count"]) for r in chosen_rows),
+                             freed_bytes=sum(int(r["size_bytes"]) for r in chosen_rows))
+    if dry_run:
+        return result
+    if chosen or unfinished:
+        hook = crash_hook or (lambda step: None)
+        if chosen:
+            # A row per deleted ledger, committed by delta-rs; Spark collected the timestamps as naive local times.
+            last_known = [
+                {**{f.name: _utc(r[f.name]) if isinstance(r[f.name], datetime) else r[f.name] for f in DELETED_LEDGERS_SCHEMA.fields
+                    if f.name != "deleted_at"}, "deleted_at": _utc(now)}
+                for r in chosen_rows
+            ]
+            DeltaTables(wh).overwrite(DELETED_LEDGERS, last_known, DELETED_LEDGERS_SCHEMA,
+                                      predicate=ledger_predicate(chosen, delta_rs=True))
+            hook(AFTER_CATALOG)
+            record_ledger_states(wh, [(t, l, "DELETED", "retention") for t, l in chosen])
+            hook(AFTER_STATE)
+        targets = sorted(chosen_set | set(unfinished))
+        # Every table deleted from holds at most the log's entries: its bytes decide who deletes.
+        small = sum(int(r["size_bytes"]) for r in catalog if (r["topic"], r["ledger_id"]) in present) <= driver_write_max_bytes
+        delete_ledger_rows(wh, targets, small, hook)
+    result.files_reclaimed = _reclaim_disk(wh)
+    return result
+
+
+def delete_ledger_rows(wh: Warehouse, ledgers: list[tuple[str, int]], through_driver: bool,
+                       hook: Callable[[str], None] = lambda point: None) -> None:
+    """Steps 3 and 4 of the module doc: the ledgers' rows leave the derived hot tables, then `ledger_entries`.
+
+    Under the buffer's lock: a buffer run between reading the log and writing its tables would
+    otherwise write a deleted ledger's rows back."""
+    with buffer_lock(wh):
+        delete_ledgers(wh, COMMITTED_ENTRIES, ledgers, through_driver=through_driver)
+        delete_ledgers(wh, TXN_MARKERS, ledgers, through_driver=through_driver)
+        delete_ledgers(wh, ABORTED_TXNS, ledgers, "abort_ledger_id", through_driver=through_driver)
+        hook(AFTER_DERIVED)
+        delete_ledgers(wh, LEDGER_ENTRIES, ledgers, through_driver=through_driver)
+
+
+def _reclaim_disk(wh: Warehouse) -> int:
+    """VACUUM the tables retention deletes from (module docstring); returns the files deleted."""
+    tables = DeltaTables(wh)
+    hot = (COMMITTED_ENTRIES, TXN_MARKERS, ABORTED_TXNS, LEDGER_ENTRIES)
+    return sum(vacuum_table(tables, t).files_deleted for t in hot if tables.exists(t))
