@@ -7,6 +7,7 @@
 from datetime import datetime, timezone
 
 from dagster import (
+    Definitions,
     AssetMaterialization,
     Config,
     MetadataValue,
@@ -127,3 +128,6 @@ def txn_timeout_sensor(context: SensorEvaluationContext, warehouse: WarehouseRes
     # that had not come by yet) would be the last. Ticks are 30 s apart; a run with nothing left to
     # abort does nothing.
     return RunRequest(tags={"txnlake/expired": ",".join(expired)[:200]})
+
+
+defs = Definitions(jobs=[demo_job, abort_expired_job], sensors=[txn_timeout_sensor])

@@ -2,8 +2,10 @@
 
 
 from dagster import (
+    Definitions,
     AssetExecutionContext,
     AssetMaterialization,
+    AssetSelection,
     AssetSpec,
     Config,
     Failure,
@@ -11,6 +13,7 @@ from dagster import (
     MetadataValue,
     OpExecutionContext,
     asset,
+    define_asset_job,
     job,
     op,
 )
@@ -112,3 +115,14 @@ def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: War
     return MaterializeResult(
         metadata=table_metadata(wh, LEDGERS, rows, ledgers_by_state=MetadataValue.json(states))
     )
+
+
+ledgers_catalog_job = define_asset_job(
+    "ledgers_catalog",
+    selection=AssetSelection.assets(LEDGERS),
+    description="Materialize the `ledgers` catalog from ledger_entries (ledgers_closed_sensor asks for it when "
+                "the catalog is stale: after an ingest, the engine's appends, an offload or a retention run).",
+)
+
+
+defs = Definitions(assets=[*LEDGER_SPECS, ledgers], jobs=[ingest_job, ledgers_catalog_job])

@@ -16,6 +16,7 @@ import time
 from datetime import timedelta
 
 from dagster import (
+    Definitions,
     AssetCheckResult,
     Config,
     DefaultScheduleStatus,
@@ -47,8 +48,7 @@ from pydantic import Field
 from pyspark.sql import functions as F
 
 from assets.metadata import table_metadata
-from pipelines.buffer_sensors import range_tags, retry_after_s
-from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
+from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags, retry_after_s
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.kernel import TXN_KEY
@@ -69,7 +69,6 @@ from txn_engine.core.schema import (
     TXN_MARKERS,
     TXN_MARKERS_SCHEMA,
 )
-from txn_engine.storage.warehouse import Warehouse
 
 GROUP = "offload"
 
@@ -334,3 +333,7 @@ def tier_matches_manifest(spark: SparkResource, warehouse: WarehouseResource) ->
 
 
 OFFLOAD_CHECKS = [tier_holds_only_committed_data, tier_within_stable_position_at_offload, tier_matches_manifest]
+
+
+defs = Definitions(assets=[offload_tier, ledger_retention], asset_checks=OFFLOAD_CHECKS, jobs=[offload_job, retention_job],
+                   sensors=[offload_eligible_ledgers], schedules=[retention_schedule])

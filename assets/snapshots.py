@@ -11,6 +11,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from dagster import (
+    Definitions,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
@@ -215,3 +216,7 @@ def snapshot_schedule(_context):
 SNAPSHOT_JOBS = [snapshot_job]
 SNAPSHOT_SENSORS = [snapshot_trigger_sensor]
 SNAPSHOT_SCHEDULES = [snapshot_schedule]
+
+
+defs = Definitions(assets=SNAPSHOT_ASSETS, asset_checks=SNAPSHOT_CHECKS, jobs=SNAPSHOT_JOBS, sensors=SNAPSHOT_SENSORS,
+                   schedules=SNAPSHOT_SCHEDULES)

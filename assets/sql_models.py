@@ -1,6 +1,6 @@
 """One Dagster asset per `dbt-free-sql/*.sql` model; upstream deps come from the SQL itself."""
 
-from dagster import AssetExecutionContext, AssetsDefinition, MaterializeResult, MetadataValue, asset
+from dagster import Definitions, AssetExecutionContext, AssetsDefinition, MaterializeResult, MetadataValue, asset
 
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
@@ -36,3 +36,6 @@ def sql_model_asset(model: SqlModel) -> AssetsDefinition:
 
 def sql_model_assets() -> list[AssetsDefinition]:
     return [sql_model_asset(m) for m in discover_models()]
+
+
+defs = Definitions(assets=sql_model_assets())

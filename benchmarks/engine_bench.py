@@ -34,7 +34,8 @@ from datetime import datetime, timedelta, timezone
 import numpy as np
 import pyarrow as pa
 
-from txn_engine.storage.delta_io import DeltaTables, arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.producers.engine import Engine
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
 from txn_engine.storage.upkeep import TableUpkeep, UpkeepPolicy

@@ -10,23 +10,8 @@ import time
 import uuid
 from typing import Sequence
 
+from pipelines.txn_cli import add_txn_parser, run_txn_command
 from txn_engine.core.errors import TxnlakeError
-
-
-def non_negative(kind: type = int):
-    """An argparse `type`: a number of `kind` (int or float) that is 0 or more, else a clear usage error
-    (argparse's plain `int` takes -1, and a count of -1 then means something it should not)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not 0 <= value < float("inf"):  # also refuses nan and inf
-            raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-        return value
-
-    return parse
 
 
 # What `make` writes to DAGSTER_HOME/dagster.yaml (the Makefile's rule): no telemetry; pools of
@@ -61,7 +46,7 @@ def ensure_pool_limits(instance) -> None:
     from a list taken before: on a new DAGSTER_HOME the first queued runs of the pool all launch
     together. Cheap (one read of the instance's limit table) and idempotent; `make ui` calls it too.
     """
-    from assets.transaction_buffer import POOL
+    from assets.transaction_buffer.tables import POOL
 
     storage = instance.event_log_storage
     if POOL not in storage.get_concurrency_keys():
@@ -196,8 +181,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def _add_closed_ledger_partitions(instance, wh) -> None:
     """Add the `ledgers` catalog's newly closed ledgers as ledger partitions (what the
     ledgers_closed_sensor does), in ledger order."""
-    from pipelines.buffer_sensors import closed_ledgers_of
-    from pipelines.partitions import LEDGER_PARTITIONS
+    from assets.transaction_buffer.sensors import closed_ledgers_of
+    from assets.partitions import LEDGER_PARTITIONS
 
     new = closed_ledgers_of(wh, instance).new_keys
     if new:
@@ -209,7 +194,7 @@ def _add_open_ledger_partitions(instance, wh) -> list[str]:
     """Add the catalog's OPEN ledgers as ledger partitions, in ledger order; return their keys."""
     import pyarrow.compute as pc
 
-    from pipelines.partitions import LEDGER_PARTITIONS
+    from assets.partitions import LEDGER_PARTITIONS
     from txn_engine.storage.delta_io import DeltaTables
     from txn_engine.core.positions import ledger_partition_key
     from txn_engine.core.schema import LEDGERS, LEDGERS_SCHEMA
@@ -230,8 +215,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from dagster import AssetSelection
 
-    from pipelines.buffer_sensors import BUFFER_SELECTION, range_tags
-    from pipelines.partitions import LEDGER_PARTITIONS
+    from assets.partitions import LEDGER_PARTITIONS, range_tags
+    from assets.transaction_buffer.sensors import BUFFER_SELECTION
     from txn_engine.core.schema import LEDGERS
 
     started = time.perf_counter()
@@ -311,7 +296,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_txn(args: argparse.Namespace) -> int:
-    from pipelines.txn_cli import run_txn_command
 
     return run_txn_command(args)
 
@@ -423,8 +407,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     from dagster import AssetKey, AssetSelection
 
     from assets.offload import OFFLOAD_SELECTION
-    from pipelines.buffer_sensors import range_tags
-    from pipelines.partitions import LEDGER_PARTITIONS, partition_spans
+    from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags
     from txn_engine.core.errors import TableMissingError
     from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
     from txn_engine.core.positions import ledger_partition_key
@@ -609,7 +592,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.set_defaults(func=cmd_demo)
 
-    from pipelines.txn_cli import add_txn_parser
 
     add_txn_parser(sub, cmd_txn)
     p = sub.add_parser("read", help="read a topic from a position, hot ledgers and offload tier together",

@@ -1,4 +1,5 @@
-"""The one Definitions object: every asset, check, job, schedule and sensor, and the resources.
+"""The one Definitions object: the domains' Definitions merged, plus the jobs over all of them,
+the resources and the executor.
 
 Executor: in-process. Every step of a run shares the run's one SparkSession (one JVM per run),
 instead of the multiprocess executor's JVM per step, which costs several seconds each and
@@ -26,24 +27,8 @@ from dagster import (
     map_asset_specs,
 )
 
-from assets.engine import abort_expired_job, demo_job, txn_timeout_sensor
-from assets.ledger import LEDGER_SPECS, ingest_job, ledgers
-from assets.offload import (
-    OFFLOAD_CHECKS,
-    OFFLOAD_SELECTION,
-    ledger_retention,
-    offload_eligible_ledgers,
-    offload_job,
-    offload_tier,
-    retention_job,
-    retention_schedule,
-)
-from assets.snapshots import GROUP as SNAPSHOT_GROUP
-from assets.snapshots import SNAPSHOT_ASSETS, SNAPSHOT_CHECKS, SNAPSHOT_JOBS, SNAPSHOT_SCHEDULES, SNAPSHOT_SENSORS
-from assets.sql_models import GROUP as SQL_MODELS_GROUP
-from assets.sql_models import sql_model_assets
-from assets.transaction_buffer import BUFFER_CHECKS, transaction_buffer_tables
-from pipelines.buffer_sensors import ledgers_catalog_job, ledgers_closed_sensor, transaction_buffer_job
+from assets import engine, ledger, offload, snapshots, sql_models, transaction_buffer
+from assets.offload import OFFLOAD_SELECTION
 from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
@@ -58,21 +43,15 @@ def _with_kinds(spec: AssetSpec) -> AssetSpec:
     (ledger_entries is also appended by the engine, in Python)."""
     if spec.key == AssetKey(LEDGER_ENTRIES):
         return spec.merge_attributes(kinds={"spark", "python", "delta"})
-    if spec.group_name == SQL_MODELS_GROUP:
+    if spec.group_name == sql_models.GROUP:
         return spec.merge_attributes(kinds={"sql", "spark", "delta"})
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 
-ALL_ASSETS = map_asset_specs(_with_kinds, [
-    *LEDGER_SPECS,
-    ledgers,
-    transaction_buffer_tables,
-    *sql_model_assets(),
-    *SNAPSHOT_ASSETS,
-    offload_tier,
-    ledger_retention,
-])
-ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
+# Each domain owns its assets, checks, jobs, partitions, sensors and schedules.
+DOMAINS = Definitions.merge(ledger.defs, transaction_buffer.defs, sql_models.defs, snapshots.defs, offload.defs, engine.defs)
+ALL_ASSETS = map_asset_specs(_with_kinds, list(DOMAINS.assets or ()))
+ALL_CHECKS = list(DOMAINS.asset_checks or ())
 
 # Everything derived from what the warehouse already holds; ingest and the demo workload add data
 # (jobs of their own: `ingest`, `demo`) and are not assets.
@@ -82,7 +61,7 @@ ALL_CHECKS = [*BUFFER_CHECKS, *SNAPSHOT_CHECKS, *OFFLOAD_CHECKS]
 DERIVED_SELECTION = (
     AssetSelection.all()
     - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES)
-    - AssetSelection.groups(SNAPSHOT_GROUP)
+    - AssetSelection.groups(snapshots.GROUP)
     - OFFLOAD_SELECTION.downstream()
 )
 
@@ -113,10 +92,9 @@ ignore_dagsters_own_owners_warning()
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, ingest_job, transaction_buffer_job, ledgers_catalog_job, demo_job, abort_expired_job, *SNAPSHOT_JOBS, offload_job, retention_job,
-          maintenance_job],
-    sensors=[ledgers_closed_sensor, txn_timeout_sensor, *SNAPSHOT_SENSORS, offload_eligible_ledgers],
-    schedules=[*SNAPSHOT_SCHEDULES, retention_schedule, maintenance_schedule],
+    jobs=[derive_all_job, *(DOMAINS.jobs or ()), maintenance_job],
+    sensors=DOMAINS.sensors,
+    schedules=[*(DOMAINS.schedules or ()), maintenance_schedule],
     resources=RESOURCES,
     executor=in_process_executor,
 )

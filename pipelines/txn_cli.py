@@ -6,7 +6,7 @@ import argparse
 import getpass
 from datetime import datetime, timedelta, timezone
 
-from pipelines.cli import non_negative
+from pipelines.arguments import non_negative
 from txn_engine.core.log_types import TxnId
 from txn_engine.core.schema import TXN_STATES
 
@@ -105,7 +105,7 @@ def run_txn_command(args: argparse.Namespace) -> int:
         for info, reason in hanging:
             print(f"{info.txn} ({info.state}, {info.source}, {info.transactional_id or 'no transactional id'}): {reason}")
         print(f"{len(hanging)} hanging transaction(s)"
-              + (f"; abort one with `txnlake txn abort ID --why REASON`" if hanging else ""))
+              + ("; abort one with `txnlake txn abort ID --why REASON`" if hanging else ""))
     elif command == "abort":
         from txn_engine.producers.engine import Engine
         from txn_engine.producers.admin import operator_abort

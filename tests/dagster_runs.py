@@ -7,9 +7,9 @@ import weakref
 
 from dagster import AssetSelection, DagsterInstance, SensorResult, build_sensor_context, materialize
 
-from pipelines.buffer_sensors import ledgers_closed_sensor, range_tags
+from assets.partitions import LEDGER_PARTITIONS, range_tags
+from assets.transaction_buffer.sensors import ledgers_closed_sensor
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, DERIVED_SELECTION
-from pipelines.partitions import LEDGER_PARTITIONS
 from txn_engine.core.schema import LEDGERS
 
 

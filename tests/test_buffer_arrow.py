@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 
 from txn_engine.buffer import kernel
-from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.schema import BUFFER_SEQUENCE_RANGES_SCHEMA
 
 

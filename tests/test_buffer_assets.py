@@ -5,9 +5,9 @@ from __future__ import annotations
 from delta.tables import DeltaTable
 from dagster import AssetKey, AssetPartitionStatus, AssetSelection, DagsterInstance, PartitionKeyRange, SensorResult, materialize
 
-from pipelines.buffer_sensors import REQUEST_TAG, range_tags, retry_after_s
+from assets.partitions import LEDGER_PARTITIONS, range_tags, retry_after_s
+from assets.transaction_buffer.sensors import REQUEST_TAG
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
-from pipelines.partitions import LEDGER_PARTITIONS
 from resources.warehouse import WarehouseResource
 from tests.dagster_runs import backdate_sensor_requests, derive_all, sensor_tick
 from tests.rows import entry, write_jsonl

@@ -320,7 +320,7 @@ def test_fits_driver_bounds_rows_by_their_bytes(spark):
 
 
 def test_a_local_frame_reaches_spark_as_arrow_without_python_workers(spark):
-    from txn_engine.storage.delta_io import local_frame
+    from txn_engine.storage.arrow_frames import local_frame
     from txn_engine.core.schema import STABLE_POSITIONS_SCHEMA
 
     schema = "topic string, _id long, _count int"

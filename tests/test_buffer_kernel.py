@@ -29,7 +29,7 @@ from tests.buffer_histories import (
 )
 from txn_engine.buffer import kernel
 from txn_engine.buffer.spark_runner import compute_buffer_tables
-from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.log_types import LogEntry
 from txn_engine.core.positions import Position

@@ -155,7 +155,7 @@ def test_read_start_positions():
 
 
 def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_path, monkeypatch):
-    from pipelines.partitions import LEDGER_PARTITIONS
+    from assets.partitions import LEDGER_PARTITIONS
     from txn_engine.core.positions import ledger_partition_key
 
     monkeypatch.delenv("DAGSTER_HOME")

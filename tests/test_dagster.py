@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import warnings
 
-from dagster import AssetKey, AssetSelection, BetaWarning, Definitions, materialize
+from dagster import AssetKey, BetaWarning, Definitions
 
 from assets.offload import retention_job
-from pipelines.definitions import ALL_ASSETS, DERIVED_SELECTION, defs, ignore_dagsters_own_owners_warning
+from pipelines.definitions import DERIVED_SELECTION, defs, ignore_dagsters_own_owners_warning
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES

@@ -8,10 +8,11 @@ import uuid
 from dagster import AssetSelection, DagsterInstance, DagsterRun, DagsterRunStatus, RunRequest, SensorResult, SkipReason
 from dagster import build_sensor_context, materialize
 
-from assets.transaction_buffer import POOL
-from pipelines.buffer_sensors import ledgers_catalog_job, ledgers_closed_sensor, retry_after_s, transaction_buffer_job
+from assets.transaction_buffer.tables import POOL
+from assets.ledger import ledgers_catalog_job
+from assets.partitions import LEDGER_PARTITIONS, retry_after_s
+from assets.transaction_buffer.sensors import ledgers_closed_sensor, transaction_buffer_job
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
-from pipelines.partitions import LEDGER_PARTITIONS
 from tests.rows import entry, write_jsonl
 from txn_engine.log.ingest import ingest_files
 from txn_engine.storage.delta_io import DeltaTables, overwrite_small

@@ -6,11 +6,10 @@ from datetime import datetime, timezone
 
 import pyarrow.compute as pc
 import pytest
-from dagster import AssetKey, DagsterInstance, RunRequest, build_sensor_context, materialize
+from dagster import DagsterInstance, RunRequest, build_sensor_context
 
 from assets.engine import abort_expired_job, demo_job, txn_timeout_sensor
 from pipelines.cli import main
-from pipelines.definitions import DERIVED_SELECTION, defs
 from tests.rows import entry, write_jsonl
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.producers.engine import Engine

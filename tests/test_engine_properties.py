@@ -165,7 +165,7 @@ class World:
                 except ProducerFencedError:
                     pass
                 except EngineStoppedError:
-                    assert zombie.engine is not self.engine  # a producer of an engine that crashed
+                    assert zombie.services is not self.engine.services  # a producer of an engine that crashed
                 except Exception as exc:
                     raise AssertionError(f"a fenced producer got {exc!r}, not ProducerFencedError") from exc
                 else:

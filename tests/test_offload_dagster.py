@@ -14,11 +14,10 @@ from dagster import (AssetKey, AssetsDefinition, AssetSelection, DagsterInstance
 from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
 from assets.offload import OFFLOAD_CHECKS, offload_eligible_ledgers, offload_tier
-from pipelines.buffer_sensors import retry_after_s
+from assets.partitions import LEDGER_PARTITIONS, retry_after_s
 from pipelines.definitions import ALL_ASSETS
-from pipelines.partitions import LEDGER_PARTITIONS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
-from tests.rows import entry, write_jsonl
+from tests.rows import write_jsonl
 from txn_engine.log.ingest import ingest_files
 from txn_engine.tier.offload import OffloadWaitingError, offload_candidates
 from txn_engine.core.positions import ledger_partition_key as key

@@ -21,7 +21,8 @@ from txn_engine.buffer import kernel
 from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
 from txn_engine.buffer.spark_runner import compute_buffer_tables
 from txn_engine.tier.consumer import Consumer, ConsumerStateError, resumed_buffer
-from txn_engine.storage.delta_io import DeltaTables, arrow_schema, overwrite_small
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import DeltaTables, overwrite_small
 from txn_engine.producers.engine import Engine
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.log.ingest import ingest_files
@@ -29,7 +30,7 @@ from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
 from txn_engine.tier.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
 from txn_engine.tier.reader import TopicReader
 from pipelines.cli import main
-from txn_engine.core.log_types import LogEntry, TxnId
+from txn_engine.core.log_types import LogEntry
 from txn_engine.tier.retention import (
     AFTER_STATE,
     RetentionPolicy,

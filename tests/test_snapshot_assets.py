@@ -12,9 +12,8 @@ from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstanc
 from pyspark.sql import functions as F
 
 from assets.snapshots import snapshot_schedule, snapshot_trigger_sensor
-from pipelines.buffer_sensors import range_tags
+from assets.partitions import LEDGER_PARTITIONS, range_tags
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, defs
-from pipelines.partitions import LEDGER_PARTITIONS
 from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
 from tests.buffer_histories import frame

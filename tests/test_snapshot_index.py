@@ -10,7 +10,7 @@ import pyarrow as pa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.schema import TXN_SNAPSHOT_SEGMENTS_SCHEMA
 from txn_engine.snapshots.index import bad_row_reasons, end_keys, part_numbers
 from txn_engine.reference.snapshots import key_suffix

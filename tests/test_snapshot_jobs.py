@@ -27,20 +27,7 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
-from txn_engine.snapshots.jobs import (
-    ENDS,
-    PARTS,
-    TriggerConfig,
-    compact_segments,
-    compacted_segments,
-    full_replay_states,
-    read_segments,
-    recover_from_warehouse,
-    recovery_mismatches,
-    snapshot_lock,
-    snapshot_states,
-    write_snapshots,
-)
+from txn_engine.snapshots.jobs import ENDS, PARTS, TriggerConfig, compact_segments, compacted_segments, read_segments, recover_from_warehouse, snapshot_lock, snapshot_states, write_snapshots
 from txn_engine.snapshots.recovery import DriverLimits, recover_to_warehouse
 from txn_engine.reference.snapshots import Crash, SnapshotSegment, compacted_rows, recover, split_snapshot
 from txn_engine.snapshots.format import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES, SnapshotConfig, SnapshotError, Source

@@ -1,6 +1,6 @@
 """What the transaction buffer's asset checks verify, over the rows the last buffer run wrote.
 
-Three invariants (the assets in `assets/transaction_buffer.py` report them):
+Three invariants (the assets in `assets/transaction_buffer/tables.py` report them):
 - the stable position of a topic never moves backwards (`stable_moves_back`);
 - `committed_entries` holds no entry of a transaction without a COMMIT marker, no position twice,
   no (topic, producer_id, producer_epoch, sequence_id) twice and no marker (`committed_once`);

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from txn_engine.storage.delta_io import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.log_types import EntryType, Violation
 from txn_engine.core.positions import Position, position_before

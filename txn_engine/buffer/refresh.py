@@ -80,13 +80,12 @@ from pyspark.sql import functions as F
 
 from txn_engine.buffer import kernel, spark_runner
 from txn_engine.buffer.kernel import NARROW_TABLES, TABLE_SCHEMAS, VIOLATIONS, require_ledger_entries
+from txn_engine.storage.arrow_frames import arrow_schema, local_frame
 from txn_engine.storage.delta_io import (
     aggregate_batches,
-    arrow_schema,
     DeltaTables,
     fits_driver,
     ledger_predicate,
-    local_frame,
     overwrite_small,
     sql_string,
 )

@@ -34,7 +34,8 @@ from txn_engine.buffer.kernel import (
     ScopeTables,
     require_ledger_entries,
 )
-from txn_engine.storage.delta_io import NARROW_ROW_BYTES, arrow_schema, fits_driver
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import NARROW_ROW_BYTES, fits_driver
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_DUPLICATES,

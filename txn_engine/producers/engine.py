@@ -41,7 +41,6 @@ import os
 import socket
 import sys
 import threading
-from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Callable
 
@@ -52,7 +51,7 @@ from txn_engine.producers.ledger_writer import LedgerWriter, PendingEntries, Rol
 from txn_engine.core.log_types import EntryType, TxnId
 from txn_engine.core.positions import EARLIEST, Position
 from txn_engine.producers.producer import (
-    IdempotentProducer, ProducerStateManager, SendFuture, TransactionalProducer, _check_key, _check_topic, _payload,
+    IdempotentProducer, ProducerServices, ProducerStateManager, SendFuture, TransactionalProducer, _check_key, _check_topic, _payload,
 )
 from txn_engine.core.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
 from txn_engine.storage.upkeep import TableUpkeep, UpkeepPolicy
@@ -197,6 +196,7 @@ class Engine:
             )
             self.coordinator = TransactionCoordinator(self.tables, self.writer, clock, txn_groups)
             self.sequences = ProducerStateManager(self.tables)
+            self.services = ProducerServices(self.coordinator, self.writer, self.sequences)
             self.recovered: list[TxnId] = self.coordinator.recover()
             self.writer.start()
             self.timeouts = TimeoutTimer(self.coordinator, self.writer, interval_s)
@@ -211,11 +211,11 @@ class Engine:
 
     def producer(self, transactional_id: str, transaction_timeout: timedelta | float = 60.0) -> TransactionalProducer:
         """A transactional producer; call its init_transactions() before anything else."""
-        return TransactionalProducer(self, transactional_id, transaction_timeout)
+        return TransactionalProducer(self.services, transactional_id, transaction_timeout)
 
     def idempotent_producer(self) -> IdempotentProducer:
         """A non-transactional producer with sequence numbers (a fresh producer id)."""
-        return IdempotentProducer(self, self.coordinator.register_idempotent_producer())
+        return IdempotentProducer(self.services, self.coordinator.register_idempotent_producer())
 
     def send(self, topic: str, value: bytes | str, key: str | None = None) -> SendFuture:
         """A plain non-transactional, non-idempotent send."""

@@ -32,7 +32,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from txn_engine.storage.delta_io import DeltaTables, arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     CONSUMER_OFFSETS,

@@ -15,20 +15,19 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import pyarrow.compute as pc
 
-from txn_engine.producers.coordinator import ProducerIdentity
+from txn_engine.producers.coordinator import ProducerIdentity, TransactionCoordinator
 from txn_engine.storage.delta_io import DeltaTables
-from txn_engine.producers.ledger_writer import PendingEntries, WriteRequest
+from txn_engine.producers.ledger_writer import LedgerWriter, PendingEntries, WriteRequest
 from txn_engine.core.log_types import EntryType, TxnId
 from txn_engine.core.positions import Position, checked_position
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA
 from txn_engine.core.errors import InvalidTxnStateError, OutOfOrderSequenceError, TransactionAbortedError
 
-if TYPE_CHECKING:
-    from txn_engine.producers.engine import Engine
 
 RECENT_SENDS_KEPT = 256  # per (producer, topic): retries of older sends are looked up in Delta
 
@@ -281,12 +280,21 @@ def _check_topic(topic: str) -> None:
     _check_utf8(topic, "topic")
 
 
+@dataclass(frozen=True)
+class ProducerServices:
+    """What a producer writes through: its engine's coordinator, ledger writer and producer states."""
+
+    coordinator: TransactionCoordinator
+    writer: LedgerWriter
+    sequences: ProducerStateManager
+
+
 class SequencedSends(ABC):
     """What both producers share: the de-duplicating send path into the producer's batch. Each
     producer keeps its topics' TopicSequences at hand, so a send costs no lookup by (producer, topic)
     and its topic is validated once."""
 
-    engine: "Engine"
+    services: ProducerServices
     _batch: SendAccumulator
     _topic_sequences: dict[str, TopicSequences]
 
@@ -294,7 +302,7 @@ class SequencedSends(ABC):
         state = self._topic_sequences.get(topic) if type(topic) is str else None
         if state is None or state.producer_id != producer_id:
             _check_topic(topic)
-            state = self._topic_sequences[topic] = self.engine.sequences.of(producer_id, topic)
+            state = self._topic_sequences[topic] = self.services.sequences.of(producer_id, topic)
         return state
 
     def _send(self, producer_id: int, epoch: int, topic: str, payload: bytes, key: str | None,
@@ -305,7 +313,7 @@ class SequencedSends(ABC):
             seq = state.last + 1
         else:
             seq = int(sequence)
-            original = self.engine.sequences.check_state(state, seq, txn)
+            original = self.services.sequences.check_state(state, seq, txn)
             if original is not None:
                 return original  # a retry in the same transaction: acknowledged with its original position
         batch = self._batch
@@ -324,20 +332,20 @@ class SequencedSends(ABC):
 class IdempotentProducer(SequencedSends):
     """Non-transactional sends with sequence numbers: a retried send is written once."""
 
-    def __init__(self, engine: "Engine", producer_id: int, epoch: int = 0):
-        self.engine = engine
+    def __init__(self, services: ProducerServices, producer_id: int, epoch: int = 0):
+        self.services = services
         self.producer_id = producer_id
         self.epoch = epoch
         self._batch = SendAccumulator()
         self._topic_sequences = {}
-        self._lock = engine.coordinator.producer_lock(producer_id)
+        self._lock = services.coordinator.producer_lock(producer_id)
 
     def send(self, topic: str, value: bytes | str, key: str | None = None, sequence: int | None = None) -> SendFuture:
         """Write a DATA entry; `sequence` (default: the next one) makes a retry safe."""
         payload = _payload(value)
         _check_key(key)
         with self._lock:
-            self.engine.writer.check_running()
+            self.services.writer.check_running()
             return self._send(self.producer_id, self.epoch, topic, payload, key, sequence, None)
 
     def flush(self) -> None:
@@ -345,19 +353,19 @@ class IdempotentProducer(SequencedSends):
         with self._lock:
             request = self._batch.take()
             if request is not None:
-                self.engine.writer.submit(request)
+                self.services.writer.submit(request)
 
 
 class TransactionalProducer(SequencedSends):
     """A transactional producer session: init_transactions, begin, send, send_offsets, commit, abort."""
 
-    def __init__(self, engine: "Engine", transactional_id: str, transaction_timeout: timedelta | float = 60.0):
+    def __init__(self, services: ProducerServices, transactional_id: str, transaction_timeout: timedelta | float = 60.0):
         if not isinstance(transactional_id, str) or not transactional_id.strip():
             raise ValueError(f"transactional_id must be a non-empty string, got {transactional_id!r}")
         timeout = transaction_timeout if isinstance(transaction_timeout, timedelta) else timedelta(seconds=transaction_timeout)
         if timeout <= timedelta(0):
             raise ValueError(f"transaction_timeout must be positive, got {transaction_timeout!r}")
-        self.engine = engine
+        self.services = services
         self.transactional_id = transactional_id
         self.timeout_ms = int(timeout / timedelta(milliseconds=1))
         self.producer_id: int | None = None
@@ -385,18 +393,18 @@ class TransactionalProducer(SequencedSends):
                 "the producer: the transaction is aborted and nothing of the send was written. Send it again "
                 "in a new transaction, under a new sequence number (or omit `sequence`)."
             ))
-        identity = self.engine.coordinator.init_producer(self.transactional_id, self.timeout_ms)
+        identity = self.services.coordinator.init_producer(self.transactional_id, self.timeout_ms)
         self.producer_id, self.epoch, self.txn = identity.producer_id, identity.epoch, None
-        self._lock = self.engine.coordinator.producer_lock(identity.producer_id)
+        self._lock = self.services.coordinator.producer_lock(identity.producer_id)
         return identity.producer_id, identity.epoch
 
     def _identity(self) -> ProducerIdentity:
-        self.engine.writer.check_running()
+        self.services.writer.check_running()
         if self.epoch is None:
             raise InvalidTxnStateError(
                 f"producer {self.transactional_id!r} is not initialized; call init_transactions() first"
             )
-        return self.engine.coordinator.check_epoch(self.transactional_id, self.epoch)
+        return self.services.coordinator.check_epoch(self.transactional_id, self.epoch)
 
     def _open_txn(self) -> TxnId:
         if self.txn is None:
@@ -416,7 +424,7 @@ class TransactionalProducer(SequencedSends):
 
     def begin(self) -> TxnId:
         """Open a transaction; its id is (transaction group, the group's next sequence)."""
-        with self._lock, self.engine.coordinator.lock:
+        with self._lock, self.services.coordinator.lock:
             identity = self._identity()
             self._check_not_ending()
             if self.txn is not None:
@@ -424,7 +432,7 @@ class TransactionalProducer(SequencedSends):
                     f"producer {self.transactional_id!r} already has transaction {self.txn} open; "
                     "commit() or abort() it before begin()"
                 )
-            self.txn = self.engine.coordinator.next_txn_id(identity)
+            self.txn = self.services.coordinator.next_txn_id(identity)
             self._sends = []
             return self.txn
 
@@ -432,7 +440,7 @@ class TransactionalProducer(SequencedSends):
         """Write a DATA entry in the open transaction; `result()` of the answer is its position."""
         payload = _payload(value)
         _check_key(key)
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock:  # not the coordinator's: `flush` checks again under it, in queue order
             identity = self._identity()
             txn = self._open_txn()
@@ -448,7 +456,7 @@ class TransactionalProducer(SequencedSends):
 
         The checks happen here, in queue order: a producer fenced or a transaction aborted since
         the sends were accepted gets its sends failed, and nothing of them is written."""
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock, coordinator.lock:
             request = self._batch.take()
             if request is None:
@@ -458,7 +466,7 @@ class TransactionalProducer(SequencedSends):
                 txn = self._open_txn()
                 topics = dict.fromkeys(request.entries.topics)
                 request.before = coordinator.add_topics(identity, txn, topics)  # durable before the data
-                self.engine.writer.submit(request)
+                self.services.writer.submit(request)
             except BaseException as exc:
                 request.fail(exc)
                 raise
@@ -477,7 +485,7 @@ class TransactionalProducer(SequencedSends):
             _check_topic(topic)
             ledger_id, entry_id = checked_position(position, f"the offset of topic {topic!r}")
             rows.append({"group_id": group, "topic": topic, "ledger_id": ledger_id, "entry_id": entry_id})
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock, coordinator.lock:
             identity = self._identity()
             txn = self._open_txn()
@@ -507,7 +515,7 @@ class TransactionalProducer(SequencedSends):
 
     def commit(self) -> TxnId:
         """Make every send of the transaction readable, on all its topics, or (on error) none."""
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
@@ -535,7 +543,7 @@ class TransactionalProducer(SequencedSends):
         complete (or raises). The producer may begin() its next transaction meanwhile, so one
         producer keeps many transactions in flight. A crash before the future resolves leaves the
         transaction in doubt: recovery commits it on every topic if it was prepared, else on none."""
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()
@@ -553,7 +561,7 @@ class TransactionalProducer(SequencedSends):
 
     def abort(self) -> TxnId | None:
         """Abort the open transaction: ABORT markers on its topics; nothing of it is ever read."""
-        coordinator = self.engine.coordinator
+        coordinator = self.services.coordinator
         with self._lock, coordinator.lock:
             self._identity()
             txn = self._open_txn()

@@ -36,7 +36,8 @@ from pyspark.sql.types import IntegerType, StringType
 from txn_engine.buffer.kernel import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
 from txn_engine.log.spark_columns import conform, has_txn, is_marker, position_lt
 from txn_engine.buffer.spark_runner import decide_full
-from txn_engine.storage.delta_io import DeltaTables, local_frame
+from txn_engine.storage.arrow_frames import local_frame
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.log.ledgers import recorded_deleted_ledgers
 from txn_engine.storage.locks import table_lock
 from txn_engine.core.schema import (

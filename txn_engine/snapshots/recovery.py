@@ -31,7 +31,8 @@ from pyspark.sql import functions as F
 
 from txn_engine.buffer import kernel
 from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
-from txn_engine.storage.delta_io import DeltaTables, arrow_schema, arrow_type, scan, version_key
+from txn_engine.storage.arrow_frames import arrow_schema, arrow_type
+from txn_engine.storage.delta_io import DeltaTables, scan, version_key
 from txn_engine.log.ledgers import stale_catalog
 from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position

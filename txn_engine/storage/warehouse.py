@@ -24,6 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
 from txn_engine.core.errors import TableMissingError, TxnlakeError
+from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.locks import table_lock
 from txn_engine.core.schema import COLD_TABLES
 from txn_engine.core.settings import WarehouseSettings
@@ -89,8 +90,6 @@ class Warehouse:
         location = path or self.path(table)
         if self.exists(table, location):
             return self.spark.read.format("delta").load(location)
-        from txn_engine.storage.delta_io import local_frame  # delta_io imports this module
-
         return local_frame(self.spark, [], schema)
 
     def version(self, table: str, path: str | None = None) -> int | None:

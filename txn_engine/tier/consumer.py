@@ -34,7 +34,8 @@ import pyarrow.compute as pc
 
 from txn_engine.buffer import kernel
 from txn_engine.buffer.refresh import state_ledger_counts
-from txn_engine.storage.delta_io import DeltaTables, arrow_schema, scan
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import DeltaTables, scan
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.ledgers import ledger_ranges
 from txn_engine.core.log_types import LogEntry, TxnId, TxnMarker

@@ -77,7 +77,8 @@ from txn_engine.buffer.refresh import (
 from txn_engine.buffer.kernel import NARROW_COLUMNS, TXN_KEY, ledger_filter
 from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
 from txn_engine.buffer.spark_runner import BufferTables, facts_of_log, facts_of_state
-from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate, local_frame
+from txn_engine.storage.arrow_frames import local_frame
+from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
 from txn_engine.core.positions import Position

@@ -32,7 +32,7 @@ from dagster import (
 import pyarrow.compute as pc
 
 from assets.metadata import table_metadata
-from pipelines.partitions import LEDGER_PARTITIONS
+from assets.partitions import LEDGER_PARTITIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.checks import committed_once, markers_match, stable_moves_back

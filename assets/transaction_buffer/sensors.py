@@ -24,7 +24,6 @@ the same backoff has passed. The next tick after the catalog run does the above.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from typing import NamedTuple
@@ -43,12 +42,10 @@ from dagster import (
     define_asset_job,
     sensor,
 )
-# Private, but dagster 1.13 has no public name for the range tags, nor a public RunRequest
-# argument for a partition range (RunRequest.partition_key_range reads these very tags).
-from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
-from assets.transaction_buffer import DESCRIPTIONS
-from pipelines.partitions import LEDGER_PARTITIONS
+from assets.ledger import ledgers_catalog_job
+from assets.partitions import LEDGER_PARTITIONS, range_tags, retry_after_s
+from assets.transaction_buffer.tables import DESCRIPTIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.refresh import (
@@ -68,8 +65,6 @@ from txn_engine.storage.warehouse import Warehouse
 BUFFER_SELECTION = AssetSelection.assets(*DESCRIPTIONS)
 CATALOG_TAG = "txnlake/catalog_for"  # on the catalog runs the sensor requests: what they were asked for
 REQUEST_TAG = "txnlake/buffer_request"  # on the runs the sensor requests: which request, which attempt
-RETRY_BACKOFF_S = 60.0  # a failed run is requested again after this, doubled per attempt ...
-RETRY_BACKOFF_MAX_S = 3600.0  # ... up to an hour
 FINISHED = {DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE, DagsterRunStatus.CANCELED}
 
 transaction_buffer_job = define_asset_job(
@@ -77,17 +72,6 @@ transaction_buffer_job = define_asset_job(
     selection=BUFFER_SELECTION,  # partitioned by ledger, as its assets are
     description="Recompute the transaction buffer tables for a ledger range (and the ledgers that changed).",
 )
-ledgers_catalog_job = define_asset_job(
-    "ledgers_catalog",
-    selection=AssetSelection.assets(LEDGERS),
-    description="Materialize the `ledgers` catalog from ledger_entries (ledgers_closed_sensor asks for it when "
-                "the catalog is stale: after an ingest, the engine's appends, an offload or a retention run).",
-)
-
-
-def range_tags(first_key: str, last_key: str) -> dict[str, str]:
-    """Run tags that make one run cover a partition range."""
-    return {ASSET_PARTITION_RANGE_START_TAG: first_key, ASSET_PARTITION_RANGE_END_TAG: last_key}
 
 
 class ClosedLedgers(NamedTuple):
@@ -161,11 +145,6 @@ def catalog_request(instance: DagsterInstance, wh: Warehouse, stale: str, now: f
                               f"ended {earlier[0].dagster_run.status.value}: asking again after a backoff")
     return RunRequest(job_name=ledgers_catalog_job.name, run_key=f"catalog-{asked_for}-{int(now * 1000)}",
                       tags={CATALOG_TAG: asked_for})
-
-
-def retry_after_s(attempt: int) -> float:
-    """How long after the `attempt`-th request (0: the first) of a ledger its failed run is requested again."""
-    return min(RETRY_BACKOFF_S * 2 ** attempt, RETRY_BACKOFF_MAX_S)
 
 
 @sensor(jobs=[transaction_buffer_job, ledgers_catalog_job], minimum_interval_seconds=60,
