@@ -8,7 +8,7 @@ export TXNLAKE_WAREHOUSE ?= $(CURDIR)/warehouse
 DEMO_FILE := $(CURDIR)/data/demo-ledgers.jsonl
 DEMO_ENTRIES ?= 20000
 
-.PHONY: setup run test bench ui clean-warehouse
+.PHONY: setup run test test-fast bench ui clean-warehouse
 
 ## setup: create .venv, install the project (pinned), fetch Delta Lake's jars once. Idempotent.
 setup: $(INSTALLED)
@@ -49,6 +49,11 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 TEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30
+
+## test-fast: the tests that need no JVM, server or subprocess (marked from their fixtures in
+## tests/conftest.py; one that starts Spark anyway fails at once).
+test-fast: setup
+	TXNLAKE_TEST_TIER=fast $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not spark and not server and not subprocess and not slow"
 
 ## bench: benchmarks; figures go to stdout and docs/benchmarks.md records them.
 bench: setup

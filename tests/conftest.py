@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 from pathlib import Path
@@ -110,8 +111,43 @@ def dagster_resources(spark, warehouse_root: Path):
     }
 
 
+# Fixtures that start a server; a test that uses one is marked `server`.
+SERVER_FIXTURES = {"spark_cluster"}
+
+
+def _starts_subprocess(item: pytest.Item) -> bool:
+    function = getattr(item, "function", None)
+    try:
+        return function is not None and "subprocess." in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test by what it needs, from its fixtures (`spark`, transitively; a server's) and
+    its code (a subprocess): `make test-fast` runs the tests that need none of them."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if "spark" in fixtures:
+            item.add_marker(pytest.mark.spark)
+        if fixtures & SERVER_FIXTURES:
+            item.add_marker(pytest.mark.server)
+        if _starts_subprocess(item):
+            item.add_marker(pytest.mark.subprocess)
+
+
+def _refuse_jvm(*args, **kwargs):
+    raise RuntimeError("this test starts Spark but is in the fast tier: give it the `spark` fixture "
+                       "(tests/conftest.py marks tests that use it)")
+
+
 def pytest_configure(config):
     import tempfile
+
+    if os.environ.get("TXNLAKE_TEST_TIER") == "fast":
+        from pyspark.sql import SparkSession
+
+        SparkSession.Builder.getOrCreate = _refuse_jvm  # a misfiled test fails at once, not slowly
 
     os.environ.setdefault("TXNLAKE_SPARK_LOG_LEVEL", "ERROR")
     # Runs made by the tests go to a throwaway Dagster instance, not the repository's.

@@ -85,7 +85,7 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
     assert not elsewhere.exists()
 
 
-def test_errors_exit_non_zero_and_write_nothing(warehouse_root, tmp_path, capsys):
+def test_errors_exit_non_zero_and_write_nothing(spark, warehouse_root, tmp_path, capsys):  # some commands start Spark first
     assert main(["ingest", str(tmp_path / "nope.jsonl")]) == 2
     err = capsys.readouterr().err
     # One line saying what is wrong, and where the run's log is; no Dagster stack traces.
