@@ -192,18 +192,11 @@ def _add_closed_ledger_partitions(instance, wh) -> None:
 
 def _add_open_ledger_partitions(instance, wh) -> list[str]:
     """Add the catalog's OPEN ledgers as ledger partitions, in ledger order; return their keys."""
-    import pyarrow.compute as pc
-
     from assets.partitions import LEDGER_PARTITIONS
-    from txn_engine.storage.delta_io import DeltaTables
     from txn_engine.core.positions import ledger_partition_key
-    from txn_engine.core.schema import LEDGERS, LEDGERS_SCHEMA
+    from txn_engine.log.ledgers import open_ledger_ids
 
-    if not wh.exists(LEDGERS):
-        return []
-    catalog = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
-    ids = pc.unique(catalog.filter(pc.equal(catalog["state"], "OPEN"))["ledger_id"]).to_pylist()
-    keys = [ledger_partition_key(i) for i in sorted(ids)]
+    keys = [ledger_partition_key(i) for i in open_ledger_ids(wh)]
     if keys:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
         print(f"  no closed ledger yet: the {len(keys)} OPEN ledger(s) added as ledger partitions")
@@ -322,18 +315,6 @@ def payload_text(payload) -> str:
     return repr(shown) + ("..." if len(shown) < len(raw) else "")
 
 
-def _known_topics(wh) -> set[str]:
-    """Topics of the `ledgers` catalog (deleted ledgers included) and of ledger_entries, by delta-rs."""
-    from txn_engine.storage.delta_io import DeltaTables
-    from txn_engine.log.ledgers import ledger_ranges
-    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, LEDGERS_SCHEMA
-
-    topics = set(DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic"])["topic"].to_pylist())
-    if wh.exists(LEDGER_ENTRIES):  # the catalog is as old as the last `txnlake run`
-        topics |= set(ledger_ranges(wh)["topic"].to_pylist())
-    return topics
-
-
 def entry_line(e) -> str:
     """One entry of `txnlake read` on one line: position, tier, transaction, key, payload (the key
     escaped as the payload is, so a newline or tab in it cannot start a line that looks like an entry)."""
@@ -344,6 +325,7 @@ def entry_line(e) -> str:
 
 def cmd_read(args: argparse.Namespace) -> int:
     from txn_engine.core.positions import start_position
+    from txn_engine.log.ledgers import known_topics
     from txn_engine.tier.reader import TopicReader
 
     try:
@@ -355,7 +337,7 @@ def cmd_read(args: argparse.Namespace) -> int:
     batch = reader.read(args.topic, start, args.max)
     if not batch.entries:
         # Nothing read: say so when the topic is unknown, rather than print an empty topic.
-        known = _known_topics(wh)
+        known = known_topics(wh)
         if args.topic not in known:
             listed = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
             raise TxnlakeError(f"unknown topic {args.topic!r}; the warehouse has "
@@ -387,28 +369,13 @@ def _refresh_stale_catalog(instance, wh) -> None:
     _add_closed_ledger_partitions(instance, wh)
 
 
-def _catalog_ledgers(wh, ledger_ids: list[int]):
-    """The `ledgers` catalog's rows of `ledger_ids`; an error naming the ids it does not hold."""
-    from txn_engine.storage.delta_io import DeltaTables
-    from txn_engine.core.schema import LEDGERS, LEDGERS_SCHEMA
-
-    rows = DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"]).to_pylist()
-    by_id = {r["ledger_id"]: r for r in rows}
-    unknown = sorted(set(ledger_ids) - set(by_id))
-    if unknown:
-        span = f"ledgers {min(by_id)}..{max(by_id)}" if by_id else "no ledger"
-        raise TxnlakeError(
-            f"ledger(s) {', '.join(map(str, unknown))} not in the `ledgers` catalog ({len(by_id)} ledger(s): {span}); "
-            "nothing was offloaded. `txnlake sql dbt-free-sql/ledger_sizes.sql` lists them.")
-    return [by_id[i] for i in sorted(set(ledger_ids))]
-
-
 def cmd_offload(args: argparse.Namespace) -> int:
     from dagster import AssetKey, AssetSelection
 
     from assets.offload import OFFLOAD_SELECTION
     from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags
     from txn_engine.core.errors import TableMissingError
+    from txn_engine.log.ledgers import catalog_rows
     from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
     from txn_engine.core.positions import ledger_partition_key
     from txn_engine.tier.reader import views_behind_log
@@ -420,7 +387,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     waiting: dict[str, str] = {}
     if args.ledgers:
         keys = set()
-        for row in _catalog_ledgers(wh, args.ledgers):
+        for row in catalog_rows(wh, args.ledgers):
             if row["state"] == "OPEN":  # not a partition (those are closed ledgers): nothing to run
                 waiting[f"{row['topic']}/{row['ledger_id']}"] = "ledger is OPEN"
             else:

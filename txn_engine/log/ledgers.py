@@ -12,6 +12,7 @@ from deltalake import DeltaTable
 from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
+from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.schema import (
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
@@ -245,3 +246,34 @@ def stale_catalog(warehouse: Warehouse) -> str | None:
             return (f"{source} changed (version {changed.get('version')}, {changed.get('operation')}) after the "
                     f"`ledgers` catalog was last materialized (version {catalog.get('version')}{seen})")
     return None
+
+
+def known_topics(warehouse: Warehouse) -> set[str]:
+    """Topics of the `ledgers` catalog (deleted ledgers included) and of ledger_entries, by delta-rs:
+    the catalog is only as new as the last `txnlake run`."""
+    topics = set(DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic"])["topic"].to_pylist())
+    if warehouse.exists(LEDGER_ENTRIES):
+        topics |= set(ledger_ranges(warehouse)["topic"].to_pylist())
+    return topics
+
+
+def open_ledger_ids(warehouse: Warehouse) -> list[int]:
+    """The ids of the catalog's OPEN ledgers, in order (none when there is no catalog)."""
+    if not warehouse.exists(LEDGERS):
+        return []
+    catalog = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
+    return sorted(pc.unique(catalog.filter(pc.equal(catalog["state"], "OPEN"))["ledger_id"]).to_pylist())
+
+
+def catalog_rows(warehouse: Warehouse, ledger_ids: list[int]) -> list[dict]:
+    """The catalog's (topic, ledger_id, state) of `ledger_ids`, in id order; an error naming the ids
+    it does not hold."""
+    rows = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"]).to_pylist()
+    by_id = {r["ledger_id"]: r for r in rows}
+    unknown = sorted(set(ledger_ids) - set(by_id))
+    if unknown:
+        span = f"ledgers {min(by_id)}..{max(by_id)}" if by_id else "no ledger"
+        raise TxnlakeError(
+            f"ledger(s) {', '.join(map(str, unknown))} not in the `ledgers` catalog ({len(by_id)} ledger(s): {span}); "
+            "nothing was offloaded. `txnlake sql dbt-free-sql/ledger_sizes.sql` lists them.")
+    return [by_id[i] for i in sorted(set(ledger_ids))]
