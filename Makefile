@@ -42,9 +42,9 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 	@echo "Open the UI:  make ui   (DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -w workspace.yaml)"
 
 ## test: the whole suite on real Spark, Delta and Dagster, on TEST_WORKERS processes with a JVM
-## each (one JVM leaves a third of 2 cores idle: docs/benchmarks.md). A worker that runs out of
-## tests takes half of the other's queue (worksteal): with xdist's default the two finished 200 s
-## apart. It lists its slowest tests, to keep an eye on the suite's time.
+## each (one JVM leaves cores idle); a worker that runs out of tests takes half of the other's
+## queue (worksteal). Evidence: docs/benchmarks.md, "The test suite". It lists its slowest tests,
+## to keep an eye on the suite's time.
 ## `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
 test: setup
