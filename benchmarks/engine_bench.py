@@ -4,8 +4,8 @@
 Three modes, side by side in one run on one warehouse:
 - `txn blocking`: Kafka's commitTransaction (flush the sends, commit, wait, then the next one);
 - `txn pipelined`: commit_async, up to BENCH_ENGINE_IN_FLIGHT (256) transactions in flight per producer
-  (a window wide enough that Little's law does not bind: 2,048 transactions / ~0.18 s is ~110,000
-  msg/s, so the figure is the engine's, not the window's; 32 bound it at ~20,000);
+  (a window wide enough that Little's law, transactions in flight / commit latency, does not bind:
+  the figure is the engine's, not the window's);
 - `non-transactional`: the same producers sending idempotently, no transactions.
 Commit latency is from the commit call to COMPLETE durable. Targets: >= 50,000 messages/s and
 p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,000).

@@ -45,14 +45,12 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.master": "local[2]",
     "spark.app.name": "txnlake",
     "spark.driver.memory": "8g",
-    # The throughput collector: batch jobs, no latency to keep. The buffer's full run at 10M took
-    # 64.8-67.7 s warm against 71.4-75.6 s with the default G1, the plain copy 13.6-15.0 s
-    # against 15.1-15.5 s (A/B, alternating processes; docs/benchmarks.md).
+    # The throughput collector: batch jobs, no latency to keep; faster than the default G1 for the
+    # buffer's full run and the plain copy alike (docs/benchmarks.md, "Spark settings").
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC",
     "spark.sql.shuffle.partitions": "8",
     # Cached frames (the buffer's narrow facts) stay uncompressed: building the compressed column
-    # batches cost more than the memory saved is worth here (the buffer's full run at 10M: facts
-    # 14.9-15.6 s against 16.5-17.0 s, A/B in one process, docs/benchmarks.md).
+    # batches cost more time than the memory saved is worth here (docs/benchmarks.md, "Spark settings").
     "spark.sql.inMemoryColumnarStorage.compressed": "false",
     "spark.default.parallelism": "4",
     "spark.sql.adaptive.enabled": "true",
@@ -61,8 +59,8 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
     # Delta reads its log with 50 tasks by default: pure overhead on small local tables.
     "spark.databricks.delta.snapshotPartitions": "2",
-    # Delta's VACUUM lists a table's folders with this many tasks (Spark's default: 10,000): on
-    # 2 cores that was 30-40 s for a 10-row table, 3.5-4.5 s with 4 (the snapshot compaction's).
+    # Delta's VACUUM lists a table's folders with this many tasks (Spark's default: 10,000), pure
+    # overhead on 2 cores even for a tiny table (docs/benchmarks.md, "Spark settings").
     "spark.sql.sources.parallelPartitionDiscovery.parallelism": "4",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",

@@ -11,18 +11,15 @@ import pytest
 
 # Sized for the suite on 2 cores: small shuffles, a modest heap (TXNLAKE_TEST_DRIVER_MEMORY
 # lowers it when several suites share the machine).
-# The suite is thousands of tiny Spark jobs in one JVM, CPU-bound on the JVM's own work, not on
-# data: the JIT compiled ~37,000 methods (40% of a fresh JVM's CPU) and Spark regenerated code
-# its cache of 100 had evicted. Fewer, later JIT compilations, Spark's code kept, the throughput
-# collector: a buffer and a snapshot slice in a fresh JVM ran 25% faster (1.4-1.6x less JVM CPU);
-# in the whole suite the slowest tests ~10% (docs/benchmarks.md). The collector is every run's
-# default (`resources.spark`); the JIT and codegen-cache settings are for tests only.
-# Most tests also evaluate expressions interpreted, without generating and compiling Java per
-# query (Spark's own suites run both ways): on a few rows the compiling is most of a query's
-# JVM time (16% of its samples in a derive run), and the suite's slowest tests ran 15-20% faster
-# (docs/benchmarks.md). The differential tests, Spark against the reference on random histories,
-# run with Spark's production codegen (`production_codegen`), as `make run` and every
-# subprocess the tests start do.
+# The suite is thousands of tiny Spark jobs in one JVM, CPU-bound on the JVM's own work (JIT
+# compilation, code Spark regenerates after its cache of 100 classes evicted it), not on data:
+# hence fewer, later JIT compilations, Spark's code kept, and the throughput collector. The
+# collector is every run's default (`resources.spark`); the JIT and codegen-cache settings are for
+# tests only. Most tests also evaluate expressions interpreted, without generating and compiling
+# Java per query (Spark's own suites run both ways): on a few rows compiling is most of a query's
+# JVM time. The differential tests, Spark against the reference on random histories, run with
+# Spark's production codegen (`production_codegen`), as `make run` and every subprocess the tests
+# start do. Evidence: docs/benchmarks.md, "The test suite".
 PRODUCTION_CODEGEN = {"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK"}
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),

@@ -101,8 +101,8 @@ def delete_ledgers(wh, ledger_ids: list[int]) -> None:
 
 
 # Each example is a batch of histories (own topics), fed in 2 chunks, recomputed in full, then a
-# deletion: every step one Spark computation for all of them. The cost is per step (about 10 s),
-# not per history: one example of 12-16 histories checks as many as two of 6-8, in half the time.
+# deletion: every step one Spark computation for all of them. The cost is per step, not per
+# history: one example of 12-16 histories checks as many as two of 6-8, in half the steps.
 @settings(max_examples=1, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(st.lists(history(), min_size=12, max_size=16), st.data())

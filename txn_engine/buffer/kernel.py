@@ -143,7 +143,7 @@ def grouped(table: pa.Table, groups: list[str], then: list[str] = ()) -> pa.Tabl
     """`table` with the rows of each `groups` group adjacent, ascending by `then` within a group.
 
     The groups' own order is not lexical: a string key is sorted by a dictionary code of it, which
-    halves the sort (2.6M sequenced entries of one topic: 0.8 s against 1.6 s by the string).
+    halves the sort (docs/benchmarks.md, "Buffer").
     """
     keys = table.select(list(groups) + list(then))
     for i, name in enumerate(groups):
@@ -380,7 +380,7 @@ _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id",
 def select_rows(rows: pa.Table, decided: pa.Table, schema) -> pa.Table:
     """The full `rows` that `decided` (`_row`-ordered decisions by `_row`) names, with the decisions'
     own columns beyond the position appended, in `schema`: a filter by mask, as a `take` of
-    payloads is several times slower."""
+    payloads is several times slower (docs/benchmarks.md, "Buffer")."""
     decided = decided.take(pc.sort_indices(decided["_row"]))  # a join may have reordered them
     picked = rows.filter(pa.array(rows_mask(rows.num_rows, decided["_row"]))) if decided.num_rows < rows.num_rows \
         else rows

@@ -167,7 +167,7 @@ ALL_LEDGERS = "all"
 # interleaved (A paused after a write while B ran to the end, then A finished) left
 # stable_positions moved backwards and a committed row missing, both runs reported a success.
 BUFFER_LOCK = "transaction_buffer"  # a lock file of its own beside the tables' (`WarehouseSettings.lock_path`)
-# Long enough to wait out another run, a full recompute of a big log included (~50 s at 10M entries).
+# Long enough to wait out another run, a full recompute of a big log on Spark included.
 BUFFER_LOCK_TIMEOUT_S = 3600.0
 
 

@@ -547,7 +547,7 @@ def _text_fields(log: _Log, lo: int, hi: int, pools: _Pools, null: str, quote: s
     backslash, comma or newline.
     """
     cols = _columns(log, lo, hi, pools)  # payloads already base64
-    # 2026-01-01 00:00:00.123000 -> 2026-01-01T00:00:00.123000Z (a cast is ~30x faster than strftime)
+    # 2026-01-01 00:00:00.123000 -> 2026-01-01T00:00:00.123000Z by a cast, not strftime (docs/benchmarks.md, "Generate")
     naive = pc.cast(cols[9].cast(pa.timestamp("us")), pa.string())
     cols[9] = pc.binary_join_element_wise(pc.replace_substring(naive, " ", "T"), pa.scalar("Z"), pa.scalar(""))
     q, empty, none = pa.scalar(quote), pa.scalar(""), pa.scalar(null)

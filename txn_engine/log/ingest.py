@@ -751,7 +751,7 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
             if summary.rows_written or not warehouse.exists(LEDGER_ENTRIES):
                 # Files of contiguous positions, sorted: a ledger's entries sit together, so
                 # aggregates by ledger and transaction combine before they shuffle, and readers
-                # skip files by their ledger_id statistics (the buffer's full run: facts 30% faster).
+                # skip files by their ledger_id statistics (docs/benchmarks.md, "Buffer").
                 new_rows = classified.filter(F.col("status") == NEW).select(
                     *[F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
                 ).repartitionByRange(max(1, -(-summary.rows_written // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(

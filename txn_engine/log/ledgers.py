@@ -93,8 +93,8 @@ def record_ledger_states(warehouse: Warehouse, transitions: list[tuple[str, int,
 def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
     """The latest recorded state of each ledger that has one: (topic, ledger_id, state).
 
-    The log is small (a row per transition), so it is read by delta-rs and folded with Arrow: a
-    Spark scan of it cost 6.6 s in a fresh JVM, and every catalog reads it.
+    The log is small (a row per transition), so it is read by delta-rs and folded with Arrow, not
+    scanned by Spark: every catalog reads it, often in a fresh JVM (docs/benchmarks.md, "Driver reads").
     """
     log = DeltaTables(warehouse).read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, ["topic", "ledger_id", "state", "recorded_at"])
     # Ordered aggregation (no threads): "last" is the latest recorded_at of each ledger.
@@ -129,9 +129,8 @@ def ledger_ranges(warehouse: Warehouse, version: int | None = None) -> pa.Table:
     No Spark job and no payload read: a file of one ledger gives its part of the ledger's range
     from its Delta statistics (`single_ledger_files`); the other files are read by delta-rs batch by
     batch (three narrow columns) and folded with Arrow. Bounded: the driver holds a row per file
-    and per ledger and one batch. At 10 million entries, every file read, this took 0.3-0.5 s, where
-    Spark's narrow scan for the same columns took 1.8 s warm and 15 s in a fresh JVM (each Dagster
-    run is one), docs/benchmarks.md.
+    and per ledger and one batch. Far cheaper than Spark's narrow scan of the same columns, above all
+    in a fresh JVM, as each Dagster run is (docs/benchmarks.md, "Driver reads").
     """
     stated, unstated = single_ledger_files(DeltaTables(warehouse).snapshot(LEDGER_ENTRIES, version))
     folded = aggregate_batches(unstated.to_batches(columns=["topic", "ledger_id", "entry_id"]), ["topic", "ledger_id"],

@@ -7,29 +7,11 @@ the same folder as the table writer locks) held for the engine's lifetime. A sec
 this process or another, is refused with an error naming the holder. Ingest and the Spark jobs
 are not engines: they keep writing their tables under the per-table locks.
 
-While an engine runs, the interpreter switches threads every millisecond at most (instead of
-Python's 5 ms): every acknowledgement waits for the committer, and each time the committer comes
-back from a delta-rs commit it waits for the GIL while producer threads run Python. Measured
-with 8 producer threads: 1.3-1.6x the pipelined throughput.
-
-For the same reason the garbage collector's first generation is collected every 100,000
-allocations instead of every 700 while an engine runs: each send and commit allocates a few
-short-lived containers (futures, rows, batches), so with Python's default the collector ran
-about every 150 messages and, through its older generations, rescanned everything the engine
-keeps. Measured with the engine benchmark's producers (400,000 messages, 128 transactions in
-flight, quiet): the collector's time went from 3.2 s to 0.3-0.4 s a run at 20,000, throughput up
-17%. With 2,048 transactions in flight the live objects alone come near 20,000, so it still ran
-~30 times a run at ~25 ms each (0.6-0.7 s); at 100,000 it runs twice (0.05 s). Objects freed by
-reference counting never reach the threshold, so memory stays bounded by the live set + 100,000.
-
-Both settings are the process's: set when its first engine starts, restored when its last closes.
-
-Like Kafka's coordinator (transaction.abort.timed.out.transaction.cleanup.interval.ms, 10 s), the
-running engine aborts the transactions open past their timeout itself: a timer thread calls
-`abort_expired` every `abort_expired_interval` (default 10 s), or as often as the shortest timeout
-of its producers when that is shorter. Nothing else could while it runs: it holds the warehouse.
-A commit arriving past the timeout is refused (and the transaction aborted) even before the timer
-comes by.
+While an engine runs, threads switch every 1 ms (default 5: acknowledgements wait for a committer
+that waits for the GIL after each commit) and the youngest generation is collected every 100,000
+allocations (default 700: it would rescan what the engine keeps every few messages); set by the
+process's first engine, restored by its last (docs/benchmarks.md, "Engine: threads, ...").
+Its timer aborts transactions open past their timeout, as Kafka's does (docs/engine.md, "Timeouts").
 """
 
 from __future__ import annotations

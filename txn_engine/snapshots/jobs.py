@@ -358,8 +358,9 @@ def compact_segments(
     version may still open; lower it only where no reader runs that long (VACUUM refuses less than
     the table's `delta.deletedFileRetentionDuration`, a week unless set).
 
-    OPTIMIZE and VACUUM run in delta-rs (`DeltaTables`): Spark's took 3.5-4.5 s on a table of a
-    few rows (a listing job, then a job per step) and printed its own line to the console."""
+    OPTIMIZE and VACUUM run in delta-rs (`DeltaTables`): Spark's ran a listing job, then a job per
+    step, on a table of a few rows, and printed its own line to the console (docs/benchmarks.md,
+    "Driver reads")."""
     table = TXN_SNAPSHOT_SEGMENTS
     path = warehouse.path(table)
     with snapshot_lock(warehouse), warehouse.writer(table):  # never between a writer's parts and its end

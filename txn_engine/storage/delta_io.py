@@ -1,22 +1,15 @@
 """The engine's Delta I/O through delta-rs (`deltalake`): Arrow appends in milliseconds.
 
-Creating a Spark DataFrame from Python rows costs ~0.5-1 s per commit; an Arrow append through
-delta-rs costs ~10 ms, which is what makes group commit pay. Both write the same Delta protocol
-(reader 1 / writer 2), so Spark reads what the engine appends and the engine appends to tables
-Spark created; every append still holds the table's txnlake writer lock (`Warehouse.writer`).
+An Arrow append through delta-rs, not a Spark DataFrame made from Python rows, is what makes
+group commit pay (docs/benchmarks.md, "Driver writes"). Both write the same Delta protocol, so
+Spark reads what the engine appends and the reverse; every append holds the table's txnlake writer
+lock (`Warehouse.writer`).
 
-Appends go through handles of their own that are never reloaded: delta-rs moves a handle to the
-version it committed, and when another writer committed in between (under the same per-table
-lock, before ours) the commit finds that version taken, reads the newer commits and retries
-(appends do not conflict). Reloading the log before every append cost as much as the append.
-But a handle that only moves forward by its own commits gets slower with each one (measured with
-delta-rs 1.6: 4 ms a commit at first, 30 ms 400 commits later, as when it is refreshed in place),
-so an append handle is replaced by a fresh one, loaded from the checkpoint, each time a commit
-crosses a checkpoint (delta-rs writes one every `delta.checkpointInterval` versions). And the
-expired-log cleanup, which delta-rs runs after every commit by default (listing the whole
-`_delta_log`: 10 ms -> 30-50 ms a commit at 1,500 versions), runs only with the checkpoints,
-as Spark's Delta does.
-Reads use other handles, refreshed on every read, so they see every writer's commits.
+Appends use handles of their own, never reloaded (a commit that finds its version taken reads the
+newer commits and retries: appends do not conflict), but replaced from the checkpoint each time a
+commit crosses one, as a handle moved only by its own commits slows down; delta-rs's expired-log
+cleanup runs only with the checkpoints, as Spark's Delta does (docs/benchmarks.md, "Engine:
+threads, garbage collection, delta-rs handles"). Reads use other handles, refreshed on every read.
 """
 
 from __future__ import annotations
@@ -412,8 +405,8 @@ class DeltaTables:
         Arrow table, or dicts with the schema's columns) in one Delta commit, whose commit info
         carries `commit_metadata` (see `last_commit`).
 
-        The driver's way to write a small result: one commit in ~10-50 ms, where Spark's Delta
-        writer runs 5 (overwrite) to 8 (`replaceWhere`) Spark jobs for a table of ten rows.
+        The driver's way to write a small result: one commit, where Spark's Delta writer runs several
+        Spark jobs even for a table of ten rows (docs/benchmarks.md, "Driver writes").
         """
         target = arrow_schema(schema)
         if not isinstance(data, pa.Table):

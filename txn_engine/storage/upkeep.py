@@ -1,38 +1,17 @@
 """Upkeep of the Delta tables the engine appends to: bounded history, file count and disk.
 
-Every group commit adds one Delta version and one data file to each table it writes, and
-delta-rs pays for both on every later append (deltalake 1.6, local filesystem, measured):
-- it lists `_delta_log` several times per append with a stat per entry, so each 1,000 files there
-  cost an append several milliseconds. Delta's default history (`delta.logRetentionDuration`,
-  30 days) keeps every commit file for a month: without upkeep a busy engine's appends slow
-  down without bound (docs/benchmarks.md, "engine upkeep");
-- its snapshot holds every active file, which costs again per file and per append.
+Each group commit adds a Delta version and a data file to each table it writes, and delta-rs
+pays for both on every later append (it lists `_delta_log` with a stat per entry; its snapshot
+holds every active file): with Delta's default 30-day history a busy engine's appends slow down
+without bound (docs/benchmarks.md, "Engine upkeep"). So the engine keeps both bounded, as a log
+broker its segments: a short history (`log_retention`), size-tiered compaction every
+`compact_every` commits (delta-rs OPTIMIZE, rows and their order kept), and after each compaction
+a VACUUM of files replaced longer ago than `file_retention`; a table's own settings win. The rules
+and their reasons: docs/engine.md, "Upkeep of its tables".
 
-So the engine keeps both bounded, the way a log broker manages its segments:
-1. **History.** It sets `delta.logRetentionDuration` on each table it writes to `log_retention`
-   (five minutes by default) unless the table has a value of its own (an operator's choice
-   wins). Delta deletes the commit files older than that at each checkpoint (every 100
-   versions). Time travel on these tables reaches back that far; a reader pinning a version
-   (the offload pins `ledger_entries` for one run) must load it within that time, or it gets
-   Delta's "version not found" error and is re-run; nothing stored is affected.
-2. **Files.** Every `compact_every` commits of a table it compacts the table's small files
-   (delta-rs OPTIMIZE: one commit with dataChange=false; no row changes, insertion order and so
-   the files' ledger ranges are kept). Size-tiered, as log-structured stores do, so that no
-   compaction rewrites much: usually into files of `small_file_rows` rows; every `fanout`-th
-   compaction of a table into files `fanout` times bigger, and so on up to `max_file_rows` (and
-   `max_file_bytes`).
-3. **Disk.** The files a compaction replaces hold no row of their own, but readers mid-scan and
-   time travel may still need them. The engine sets `delta.deletedFileRetentionDuration` to
-   `file_retention` (an hour by default; again an operator's value wins) and, after each
-   compaction of a table, VACUUMs it (delta-rs, full mode) in a later gap between rounds: the
-   files removed longer ago than that are deleted, and so is any file no version references
-   that is older than that (left by a crashed writer, or a tombstone a checkpoint dropped).
-   With the history at five minutes no reader can load a version whose files are an hour
-   gone; an hour covers a reader that loaded its version and is still scanning it.
-
-Upkeep runs in the committer between rounds (it holds the table's writer lock like any write).
-It is maintenance: a failure is logged and retried at the next due point; it never stops the
-engine or loses an acknowledged write (each step is one atomic Delta commit).
+Upkeep runs in the committer between rounds, under the table's writer lock. It is maintenance: a
+failure is logged and retried at the next due point, never stops the engine or loses an
+acknowledged write (each step is one atomic Delta commit).
 """
 
 from __future__ import annotations
@@ -66,7 +45,7 @@ class UpkeepPolicy:
     compact_every: int = 100  # a table's commits between two compactions; 0 turns compaction off
     small_file_rows: int = 100_000
     fanout: int = 10
-    max_file_rows: int = 1_000_000  # a compaction of the top tier rewrites ~1M rows: ~1-2 s of the committer
+    max_file_rows: int = 1_000_000  # no bigger: a compaction stalls the committer (benchmarks.md, "Engine upkeep")
     max_file_bytes: int = 128 * 1024 * 1024
 
     def __post_init__(self) -> None:

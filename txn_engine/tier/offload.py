@@ -153,9 +153,9 @@ class OffloadWaitingError(TxnlakeError):
                          "not materialized; the offload sensor requests them once they are eligible.")
 
 
-# What a decided transaction costs in the hash relation broadcast to the offloaded rows, to bound
-# that broadcast by `BROADCAST_MAX_BYTES` (`decided_txns`): at 10M entries 1,123,715 of them made
-# a 256 MiB relation (Spark's SQL metrics), so the bound is ~4.5M (a 5M-row bound before).
+# What a decided transaction takes in the hash relation broadcast to the offloaded rows (from
+# Spark's SQL metrics), to bound that broadcast by `BROADCAST_MAX_BYTES` (`decided_txns`;
+# docs/benchmarks.md, "Offload").
 DECIDED_TXN_BROADCAST_BYTES = 240
 
 
@@ -221,7 +221,8 @@ def checksum_of(hashes: Column) -> Column:
 
     Summed as two longs, the signed high and the unsigned low 32 bits of each hash (exact up to
     2^31 rows a group), then combined once per group: the same value as summing the hashes as
-    decimal(38,0), whose per-row BigDecimal arithmetic cost 1-2 s of the manifest pass at 10M rows.
+    decimal(38,0), whose per-row BigDecimal arithmetic slowed the manifest pass (docs/benchmarks.md,
+    "Offload").
     """
     high = F.coalesce(F.sum(F.shiftright(hashes, 32)), F.lit(0)).cast("decimal(38,0)")
     low = F.coalesce(F.sum(hashes.bitwiseAND(F.lit(0xFFFFFFFF))), F.lit(0)).cast("decimal(38,0)")
@@ -266,8 +267,8 @@ def drops_from_state(ledger_txns: pa.Table, first_markers: pa.Table) -> pa.Table
     """Per (topic, ledger_id), the manifest's counts by reason from the buffer's state instead of
     the ledger's rows: `entries_before`, `dropped_markers`, `dropped_duplicates`, `dropped_aborted`,
     and the bounds `kept_at_least` <= KEPT <= `kept_at_most`. Pure, in Arrow: a fold of a row per
-    (ledger, transaction) of the ledgers offloaded, which a Spark join and aggregate took 1.6-4.9 s
-    to do (docs/benchmarks.md).
+    (ledger, transaction) of the ledgers offloaded, cheaper than the Spark join and aggregate it
+    replaced (docs/benchmarks.md, "Offload").
 
     `ledger_txns`: the state's rows (`kernel.by_ledger_txn`) of those ledgers;
     `first_markers`: `txn_markers` rows (a transaction's first marker: outcome and position).
@@ -450,8 +451,8 @@ def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
     if not (state_is_current(wh) and wh.exists(BUFFER_DUPLICATES)):
         return None
     state_version = wh.version(BUFFER_LEDGER_TXNS)
-    # The check folds four narrow columns read by delta-rs batch by batch (no Spark job: 4-5 s in a
-    # fresh JVM; a row per ledger held, not a row per transaction).
+    # The check folds four narrow columns read by delta-rs batch by batch (no Spark job, which costs
+    # most in a fresh JVM: docs/benchmarks.md, "Driver reads"; a row per ledger held, not per transaction).
     counts = state_ledger_counts(DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version))
     plan = plan_scope(inventory_of(catalog), counts, ())
     return None if plan.ledgers else state_version
@@ -682,8 +683,9 @@ def eligible_not_offloaded(wh: Warehouse) -> list[tuple[str, int]]:
     """`offload_candidates` decided without Spark, for the sensor: the same reads (the ranges of
     `ledger_entries`, the recorded states, the deleted ledgers, `stable_positions`, the manifest),
     by delta-rs, and the same rules (`catalog_of_ledgers`'s states, `ledger_eligibility`), folded
-    in Python: a row per ledger. A tick then starts no JVM in the code server (Spark's took 20-34 s
-    and left 1.4 GB resident). Equal to `offload_candidates` (tested)."""
+    in Python: a row per ledger. A tick then starts no JVM in the code server, which would take much
+    of the sensor's timeout and stay resident (docs/benchmarks.md, "Driver reads"). Equal to
+    `offload_candidates` (tested)."""
     tables = DeltaTables(wh)
     ranges = ledger_ranges(wh).select(["topic", "ledger_id", "last_entry_id"]).to_pylist()
     newest: dict[str, int] = {}
