@@ -1,18 +1,16 @@
 """Benchmark: the transaction buffer's four tables over N generated entries (default 10 million).
 
 Measured side by side in one run, on the same `ledger_entries` Delta table:
-- plain copy: Spark reads ledger_entries and rewrites it once (the floor), before and after the
-  full run; the ratios are taken against the faster of the two;
-- full: compute and write txn_markers, stable_positions, aborted_txns, committed_entries and the
-  incremental state, reported as a whole and split (the four tables, the state, the rest), as
-  `refresh_buffer` runs it (a log that fits `DRIVER_FULL_RUN_MAX_BYTES`: Arrow in the driver, a
-  topic per core); then the same full run on Spark (as a bigger log runs), side by side;
+- plain copy: Spark reads ledger_entries and rewrites it (the floor), before and after the full
+  run; the ratios are taken against the faster of the two;
+- full: the four tables and the incremental state computed and written as `refresh_buffer` runs
+  it (a log within `DRIVER_FULL_RUN_MAX_BYTES`: in the driver, a topic per core), reported whole
+  and split; then the same full run on Spark (as a bigger log runs);
 - DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files;
-- incremental: one new ledger of 50,000 entries (BENCH_NEW_LEDGER_ENTRIES) appended on top,
-  then the incremental refresh (`refresh_buffer` for that ledger: Arrow in the driver), against
-  the full computation; then the same step again on Spark (as a scope too big for the driver runs).
+- incremental: one new ledger of BENCH_NEW_LEDGER_ENTRIES appended, then `refresh_buffer` for it
+  in the driver, against the full run; then the same step on Spark.
 Prints seconds, rows/s, peak memory and the ratios (targets: full <= 2x plain copy, incremental
-<= 5% of full).
+<= 5% of full). Figures: docs/benchmarks.md, "buffer".
 """
 
 from __future__ import annotations

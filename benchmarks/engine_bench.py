@@ -1,24 +1,14 @@
 """Transaction engine throughput: 8 producers, transactions of 10 messages over 2 topics,
-100-byte payloads, every acknowledgement durable in Delta (delta-rs appends, group-committed).
 
-Three modes, side by side in one run on one warehouse:
-- `txn blocking`: Kafka's commitTransaction (flush the sends, commit, wait, then the next one);
-- `txn pipelined`: commit_async, up to BENCH_ENGINE_IN_FLIGHT (256) transactions in flight per producer
-  (a window wide enough that Little's law, transactions in flight / commit latency, does not bind:
-  the figure is the engine's, not the window's);
-- `non-transactional`: the same producers sending idempotently, no transactions.
-Commit latency is from the commit call to COMPLETE durable. Targets: >= 50,000 messages/s and
-p99 commit latency <= 2 s. Scale: BENCH_ENTRIES messages per mode (default 400,000).
-
-Upkeep (txn_engine.storage.upkeep): the compactions the engine ran during the modes, and a soak
-beside them: BENCH_ENGINE_SOAK_COMMITS (3,000) appends of a pipelined round's rows (3,000 entries)
-to one table, with the engine's upkeep and without it (Delta's defaults), the append cost at the
-start and at the end of each. The soak's history is 10 s so that it expires within the soak (the
-engine's default is 5 minutes: at a steady commit rate the log then holds rate x 300 s files).
-
-Where the time goes: for each mode, the Delta commits per table (count, ms each, rows each) and
-the share of the mode's wall time the committer spent in them, and the load average (the machine
-is shared: figures are only comparable at similar load).
+Three modes, side by side in one run on one warehouse: `txn blocking` (Kafka's commitTransaction:
+flush, commit, wait), `txn pipelined` (commit_async, up to BENCH_ENGINE_IN_FLIGHT transactions in
+flight per producer: a window Little's law does not bind, so the figure is the engine's) and
+`non-transactional` (the same producers, idempotent sends). Commit latency is from the commit call
+to COMPLETE durable. Targets: >= 50,000 messages/s and p99 commit latency <= 2 s. BENCH_ENTRIES
+messages per mode. Also printed: the Delta commits per table and the committer's share of the
+wall time, the load average, the compactions of the engine's upkeep, and a soak
+(BENCH_ENGINE_SOAK_COMMITS appends to one table with the engine's upkeep and with Delta's
+defaults, under a history short enough to expire within it). Figures: docs/benchmarks.md, "engine".
 """
 
 from __future__ import annotations

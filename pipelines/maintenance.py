@@ -1,16 +1,12 @@
 """Table maintenance: VACUUM the warehouse's Delta tables, each with its own file retention.
 
-Every buffer run rewrites parts of the derived tables (`replaceWhere`, whole overwrites of the
-small ones), retention deletes from the hot tables, snapshots and the offload replace rows, and a
-Delta rewrite only takes the old files out of the table's current version: without a VACUUM the
-disk grows with every run, as the engine's tables did before their upkeep. This job VACUUMs every
-table of the Definitions (and the engine's, which VACUUM themselves after compactions: harmless)
-with delta-rs, no Spark: the files removed longer ago than the table's
-`delta.deletedFileRetentionDuration` (Delta's default, 7 days: readers of older versions and time
-travel need them until then) are deleted. Each asset gets an observation with what was deleted.
-A warehouse holding none of the tables fails the run: a mistyped root would otherwise "succeed"
-every night having vacuumed nothing; a warehouse with only some of them is normal (the rest are
-made by runs not done yet).
+Buffer runs, retention, snapshots and the offload rewrite or delete rows, and a Delta rewrite only
+takes the old files out of the current version, so without a VACUUM the disk grows with every run.
+This job VACUUMs every table of the Definitions (and the engine's: harmless) with delta-rs,
+deleting the files removed longer ago than the table's `delta.deletedFileRetentionDuration`
+(Delta's default: 7 days), and records an observation per asset. A warehouse holding none of the
+tables fails the run (a mistyped root would otherwise "succeed" every night); one holding only
+some of them is normal.
 
 (No `from __future__ import annotations`: Dagster resolves the nested op's annotations at definition.)
 """

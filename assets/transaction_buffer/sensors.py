@@ -1,25 +1,14 @@
 """Ledger partitions as ledgers close: the sensor that adds their keys and asks for the buffer run.
 
 A ledger becomes a partition of the transaction-buffer assets when the `ledgers` catalog says it
-is closed (CLOSED or OFFLOADED: recorded in `ledger_states`, or no longer its topic's last
-ledger). The sensor adds the keys of the newly closed ledgers and requests ONE run over their
-range; that run also picks up the OPEN ledgers' new entries (see `txn_engine.buffer.refresh`).
-
-Every closed ledger that needs a run gets one: a newly closed one; one the buffer state does not
-describe at the catalog's counts (a partition whose run failed, or one that was a partition while
-OPEN, as `txnlake run` adds a log's first ledgers, and grew before it closed); and a partition whose
-last run failed or never ran although the state holds it (its tables are right, its Dagster status
-is not). A failed run is asked again after a backoff: 1, 2, 4 ... minutes, at most an hour. The
-cursor keeps, per such ledger, the counts, request and attempt of its last request, and the runs
-carry the request as a tag (`REQUEST_TAG`): a tick while they are queued or running asks nothing
-more, and one after they failed knows it.
-
-The sensor decides from the `ledgers` catalog, so first it keeps that fresh: when the catalog is
-stale (`txn_engine.log.ledgers.stale_catalog`, the predicate the `txnlake` commands use: missing while
-ledger_entries exists, or older than an ingest, the engine's appends, an offload's or a retention
-run's changes) it requests a run of `ledgers_catalog` and nothing else, one at a time: none while
-one is queued or running, and after a failed one (for the same ledger_entries version) only once
-the same backoff has passed. The next tick after the catalog run does the above.
+is closed. The sensor adds the keys of newly closed ledgers and requests ONE run over their range
+(which also picks up the OPEN ledgers' new entries). It asks again, after a backoff (1, 2, 4 ...
+minutes, at most an hour), for a closed ledger the buffer state does not describe at the catalog's
+counts or whose partition's last run failed; its cursor and the runs' tag (`REQUEST_TAG`) tell a
+request queued or running from one that failed. It decides from the catalog, so first it keeps
+that fresh: a stale catalog (`txn_engine.log.ledgers.stale_catalog`) gets a run of
+`ledgers_catalog` and nothing else, one at a time, with the same backoff. The cases:
+docs/transaction-buffer.md, "Incremental: partitions by ledger".
 """
 
 from __future__ import annotations

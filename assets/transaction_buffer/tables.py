@@ -1,19 +1,14 @@
 """The transaction buffer's tables: txn_markers, stable_positions, aborted_txns, committed_entries.
 
 One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four from
-`ledger_entries` (the buffer kernel, `txn_engine.buffer.kernel`, in the driver or on Spark,
-driven incrementally by `txn_engine.buffer.refresh`): a run over a ledger range recomputes those ledgers plus
-whatever the catalog shows changed (the OPEN ledgers that grew, ledgers deleted by retention),
-so the tables always describe everything in `ledger_entries`. A run over every partition is a
-full recompute. Backfills run as one run per range (`BackfillPolicy.single_run`). The run
-reports the protocol violations found in the ledgers it recomputed, and records as materialized
-every known partition it recomputed beyond its range (the changed ledgers; every ledger in a full
-run). Asset checks guard the invariants.
-
-One buffer run at a time: `refresh_buffer` holds the warehouse's buffer lock for the whole run,
-and the assets share the Dagster pool `transaction_buffer` (limited to 1 by the instance config
-`txnlake` writes, `pipelines.cli.DAGSTER_YAML`), so the daemon queues a second run instead of
-launching it to wait on the lock.
+`ledger_entries` (the kernel, `txn_engine.buffer.kernel`, driven incrementally by
+`txn_engine.buffer.refresh`): a run over a ledger range recomputes those ledgers plus whatever the
+catalog shows changed, so the tables always describe everything in `ledger_entries`; a run over
+every partition is a full recompute, a backfill one run per range. The run reports the protocol
+violations in the ledgers it recomputed and records as materialized every known partition it
+recomputed beyond its range. Asset checks guard the invariants. One buffer run at a time: the
+buffer lock, and the Dagster pool `transaction_buffer`, so the daemon queues a second run
+(docs/transaction-buffer.md, "Concurrency").
 """
 
 from dagster import (

@@ -1,60 +1,13 @@
 """The transaction buffer, incrementally: recompute only some ledgers, keep the tables equal to a full run.
 
-`refresh_buffer` writes the four contract tables (`txn_markers`, `stable_positions`,
-`aborted_txns`, `committed_entries`) from per-ledger facts it persists in four internal tables,
-so that processing newly closed ledgers reads those ledgers' entries, not the history:
-
-- `buffer_ledger_txns`: `kernel.by_ledger_txn`, one row per (topic, ledger, transaction).
-  Every other fact is a fold of these rows (`txns_from_ledger_txns`, the stable position), so
-  a run never rereads old entries; it refolds only the transactions its ledgers touch and those
-  that may still be ongoing (`txns_to_refold`), and takes the ledgers' last entries from the
-  catalog.
-- `buffer_sequence_ranges`: per (topic, producer, ledger) the runs of consecutive sequence ids
-  of its kept DATA entries (pairs first seen in that ledger), usually one row per producer and
-  ledger; over the ledgers before L they hold exactly the pairs seen before L. An entry
-  is a duplicate when an earlier ledger's run holds its pair, or an earlier entry of the same
-  recomputed ledgers has it (`kernel.duplicate_positions`): the brief's rule, exactly.
-- `buffer_duplicates`: the duplicate positions (dropped wherever rows are read back).
-- `buffer_pending_entries`: full rows of kept transactional DATA whose transaction has no marker
-  in the same ledger: the only old rows a later commit marker can make visible.
-
-Which ledgers a run recomputes (its *scope*):
-- the ledgers it is asked for (a Dagster partition range);
-- every ledger of `inventory` (the `ledgers` catalog) whose entry count or last entry differs
-  from what the state holds: new ledgers, the OPEN ledger that grew, a ledger never processed.
-  So the contract tables describe every ledger the catalog lists, the OPEN ones included;
-A ledger retention deleted is not recomputed, and its facts are not dropped: its
-`buffer_ledger_txns` and `buffer_sequence_ranges` rows stay (*retained*), as a broker's
-transaction buffer keeps what it decided when a ledger goes and only trims its abort set
-(retention deletes the ledger's contract rows itself; its pending rows stay, so `local_seq`
-still counts them, but are not read). So a transaction whose
-marker was in it stays decided (later data of it stays late, and does not stall the stable
-position), a retried send whose first copy was in it stays a duplicate, and the position before
-the next ledger's first entry is still its last entry: the reference fed the whole log, then
-`trim_ledgers`. A full run with such ledgers in the state recomputes every listed ledger on top
-of them (without a state it can only replay what `ledger_entries` still holds). A run replaces
-rows by ledger id; a retained ledger sharing its id with another topic's recomputed one is spared
-(`ScopePlan.shadowed`).
-Rows of the contract tables are attributed to a ledger (`txn_markers.ledger_id`,
-`aborted_txns.abort_ledger_id`, `committed_entries.visible_ledger_id`) and a run replaces
-exactly the rows of its scope (Delta `replaceWhere`); `stable_positions` (a row per topic) is
-rewritten; `in_stable_prefix` of older rows is updated where the stable position moved.
-
-Without state (first run) or with `full=True`, the scope is everything and every table is
-overwritten: the same functions, so a full recompute and the incremental path agree.
-
-Who computes and writes: the kernel (`kernel.scope_tables`, every rule once) runs in the
-driver (entries and state rows read by delta-rs, a thread per topic for a full run, every table
-committed through delta-rs) or on Spark (`spark_runner`: a group per topic, the full rows joined
-with its decisions), as `compute` says (`TXNLAKE_COMPUTE`; `auto` chooses by the catalog's
-`size_bytes`). On Spark the narrow tables (`NARROW_TABLES`) still go through the driver when they
-fit it. The same write order every way.
-
-Write order, for crash safety: contract tables first (`stable_positions` after the
-`in_stable_prefix` update that it records), `buffer_ledger_txns` last. It is the
-record of what is done: a run stopped before it leaves the scope's ledgers looking unprocessed
-(or deleted ledgers still present), and the next run recomputes them. `after_write` is called
-after each table is written (tests inject crashes there).
+`refresh_buffer` writes the four contract tables from per-ledger facts it keeps in four state
+tables (`buffer_ledger_txns`, `buffer_sequence_ranges`, `buffer_duplicates`,
+`buffer_pending_entries`), so a run over newly closed ledgers reads their entries, not the history.
+Its scope: the ledgers asked for, plus every ledger the catalog lists otherwise than the state;
+ledgers retention deleted keep their facts. The kernel decides in the driver or on Spark
+(`compute`), a run replaces its scope's rows by ledger, and `buffer_ledger_txns` is written last,
+as the record of what is done, so the next run completes a crashed one. The state, the scope and
+the write order: docs/transaction-buffer.md, "Incremental: partitions by ledger".
 
 One run at a time: `refresh_buffer` holds the warehouse's buffer lock (`buffer_lock`) from
 reading the state to its last write; a second run waits for it (and then plans on what the first

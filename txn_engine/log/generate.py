@@ -1,31 +1,11 @@
 """Generate a realistic raw ledger file, deterministic per seed, for `txnlake ingest`.
 
 The file holds the `ledger_entries` columns of the brief and looks like what a broker with
-transactions writes: several topics (`orders-partition-0`, `payments-partition-0`, ...), each
-a run of ledgers (ids unique across topics, increasing in creation time as BookKeeper hands
-them out, entry ids 0..n-1 in each), transactional and non-transactional entries interleaved.
-
-How a log is made (all vectorized with numpy, no loop per entry):
-
-- Transactions: each has 1..10 data entries on one topic, or on two topics (one marker per
-  touched topic), a producer, a start time and a duration. A transactional producer runs one
-  transaction at a time: its transactions are chained in time, with idle gaps, over the whole
-  log; many producers run at once, so transactions overlap and markers land after other
-  transactions' data, which makes the stable position lag. Data entries fall inside the
-  transaction's window and its markers at its end. ~87.5% of the closed transactions commit,
-  ~12.5% abort; a few producers' last transactions are still open (no marker) at the log's
-  end. Txn ids: `txn_most_bits` is the coordinator (0 or 1, fixed per producer),
-  `txn_least_bits` the coordinator's sequence, in begin order.
-- Non-transactional entries fall at random times; most come from idempotent producers
-  (producer id, epoch 0, sequence), some from non-idempotent ones (producer id, epoch and
-  sequence null).
-- Retried duplicates: ~0.5% of the entries are copies of an earlier data entry (same producer,
-  sequence, key, payload and transaction) a little later, before the transaction's marker.
-- Each topic's entries are sorted by time; that order is the log order: `sequence_id` counts
-  up per (producer, topic) in it (copies repeat their original's), `publish_time` increases
-  strictly (milliseconds), and ledgers roll over after a random number of entries.
-- Keys are `customer-N` (skewed: a few customers are busy); payloads are drawn from a pool of
-  pre-generated random byte strings of 20..400 bytes.
+transactions writes: several topics, each a run of ledgers (ids unique across topics, increasing
+in creation time as BookKeeper hands them out), transactional and non-transactional entries
+interleaved, overlapping transactions (so the stable position lags), some aborted, some left
+open, and retried duplicates; all vectorized with numpy, no loop per entry. How a log is made,
+and in what proportions: docs/architecture.md, "The demo log generator".
 
 Formats, by the file's extension: `.parquet` (typed), `.jsonl` (one JSON object per line,
 payload base64, publish_time ISO-8601 UTC, nulls as null) and `.csv` (a header row, the same

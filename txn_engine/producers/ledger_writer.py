@@ -1,21 +1,15 @@
 """The ledger writer: positions, ledger rollover and group commit into Delta.
 
 One committer thread drains everything producers and the coordinator queued since its last
-round and writes it in a fixed order of Delta commits, each holding that table's writer lock:
-
-1. `txn_log`: records that must be durable before any entry of this round (ONGOING with a new
-   topic, PREPARE_COMMIT / PREPARE_ABORT), together with the COMPLETE_* records of the previous
-   round's requests (their markers and offsets were durable at the end of that round);
-2. `ledger_entries`: data and markers, in queue order, each given the next position of its
-   topic (in chunks of at most `max_rows_per_commit`);
-3. `consumer_offsets` of committing transactions (only when there are some).
-
-So PREPARE is durable before any marker and COMPLETE after every marker, and a round costs two
-Delta commits whatever the number of producers: throughput does not collapse to one commit per
-message. Carrying COMPLETE into the next round's txn_log commit saves a commit per round; when
-nothing else is queued that round writes only them, at once. A failed write stops the engine
-(every waiting caller gets EngineStoppedError, the failure chained as its cause); restarting it
-runs recovery from what is durable.
+round and writes it in a fixed order of Delta commits, each under that table's writer lock:
+`txn_log` (ONGOING with a new topic, PREPARE_*, and the previous round's COMPLETE_*, whose markers
+and offsets were durable at the end of that round; at once when nothing else is queued), then
+`ledger_entries` (data and markers, each given its topic's next position, in chunks of at most
+`max_rows_per_commit`), then `consumer_offsets` of committing transactions. So PREPARE is durable
+before any marker and COMPLETE after every marker, and a round costs two Delta commits whatever
+the number of producers. A failed write stops the engine (every waiting caller gets
+EngineStoppedError, the failure as its cause); restarting it runs recovery from what is durable
+(docs/engine.md, "Commit protocol").
 """
 
 from __future__ import annotations

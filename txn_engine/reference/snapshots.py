@@ -1,28 +1,12 @@
 """Multi-part transaction-buffer snapshots (PIP-178) with a snapshot index, in pure Python.
 
-This is the reference (the oracle) of `txn_engine.snapshots.jobs`: the same segmentation, the same
-write order, the same compaction rule and the same recovery, on plain lists. docs/snapshots.md
-explains the design; in short:
-
-- A snapshot of a topic's buffer (abort set in abort-marker order + max read position) is split
-  into segments keyed `topic-1 ... topic-(N-1)` and `topic-end`; each holds at most
-  `SnapshotConfig.segment_capacity(topic)` aborts (the count bound and the byte bound). As in
-  PIP-178 the last, possibly partial, chunk goes into `topic-end`, which alone carries the max
-  read position; the others carry the earliest position (-1, -1).
-- Beyond PIP-178 (the snapshot index): every segment carries its `snapshot_id`, its
-  `segment_index` and the `segment_count`; `topic-end` also carries `abort_count`. The writer
-  writes the parts, then `topic-end` (the commit point), then tombstones every other numbered key
-  of the topic that is not part of the new snapshot.
-- Recovery takes the latest `topic-end` and the parts *of its snapshot id* (latest write_seq per
-  key among those rows); parts of other snapshots are ignored, so stale keys of an older, longer
-  snapshot never leak trimmed aborts back. If any part is missing or a row is unreadable, the
-  topic falls back to a full replay (never a wrong abort set).
-- Compaction keeps the latest row per key (dropping keys whose latest row is a tombstone), and
-  also the rows of the snapshot the latest `topic-end` names: after a crash mid-write, the new
-  parts have overwritten keys of the live snapshot, which must survive until a newer complete
-  snapshot replaces it.
-- Recovery = the snapshot's aborts minus those whose marker's ledger is DELETED, then a replay of
-  the entries after the max read position through the reference buffer (`restored`).
+This is the reference (the oracle) of `txn_engine.snapshots.jobs`, on plain lists: the same
+segmentation (keys `topic-1 ... topic-(N-1)` and `topic-end`, which alone carries the max read
+position), the same write order (the parts, then `topic-end` as the commit point, then tombstones
+of the topic's other numbered keys), the same compaction rule (the latest row per key, and the
+rows of the snapshot the latest `topic-end` names) and the same recovery (the latest `topic-end`
+and the parts of its snapshot id, else a full replay; minus aborts of DELETED ledgers; then the
+entries after the max read position). docs/snapshots.md explains the design.
 """
 
 from __future__ import annotations

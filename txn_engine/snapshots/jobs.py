@@ -1,22 +1,15 @@
 """Transaction-buffer snapshots on Spark: write segments, compact them, recover from them.
 
 The same design as the reference `txn_engine.reference.snapshots` (the oracle; docs/snapshots.md):
-- `snapshot_segments` cuts each topic's abort set (from the contract tables `aborted_txns` and
-  `stable_positions`) into segments; `write_snapshots` writes the parts, then every `topic-end`,
-  then tombstones for stale numbered keys, each step its own Delta commit(s) under the table's
-  writer lock (write_seq is allocated under that lock, so it is unique and increasing).
-- `compacted_segments` is the compaction rule; `compact_segments` rewrites the table with it in
-  one commit, then runs OPTIMIZE and VACUUM.
-- `recover_buffer_states` rebuilds `recovered_buffer_state`: the live snapshot by its index
-  (`live_snapshots`, over the rows `snapshots.index`'s rules accept, run as Arrow UDFs), its
-  aborts minus those of DELETED ledgers, plus a replay of the entries after its max read
-  position through the buffer kernel (`spark_runner.decide_full`), with the snapshot's state
-  carried in (see `_replay_input`). Topics without a usable snapshot are replayed
-  in full, in the same Spark job. The asset recovers in the driver instead
-  (`txn_engine.snapshots.recovery`, the same rules without Spark jobs); this Spark plan is what it
-  falls back to for a large tail, and what the tests hold it equal to.
-- `snapshot_states` evaluates the triggers and the per-topic state (NO_SNAPSHOT / INITIALIZING /
-  READY) for `txn_snapshot_state`.
+- `snapshot_segments` cuts each topic's abort set into segments; `write_snapshots` writes the
+  parts, then every `topic-end`, then tombstones for stale numbered keys, each step its own Delta
+  commit under the table's writer lock (write_seq allocated under it: unique and increasing);
+- `compacted_segments` is the compaction rule, `compact_segments` applies it in one commit;
+- `recover_buffer_states`: the live snapshot by its index, its aborts minus those of DELETED
+  ledgers, plus a replay of the tail through the buffer kernel; topics without a usable snapshot
+  are replayed in full. The asset recovers in the driver (`snapshots.recovery`): this plan is its
+  fallback for a large tail, and what the tests hold it equal to;
+- `snapshot_states`: the triggers and per-topic state (NO_SNAPSHOT / INITIALIZING / READY).
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Recovery in the driver, as a broker recovers in-process: no Spark job on the usual path.
 
-Why (docs/snapshots.md, "Recovery in the driver"): recovery's work is small (a snapshot index of a
-few rows, one abort array per topic, the entries after the snapshots), but on Spark it is ~10 jobs
-whose fixed cost alone exceeds a full replay of a million-entry log. This path reads the segments,
-`ledger_states` and the tail of `ledger_entries` with delta-rs/pyarrow (the Delta file statistics
-skip the files of older ledgers, as on Spark), replays the tail through the buffer kernel
-(`kernel`, the same input as the Spark path's: `_replay_input`), keeps the snapshot's abort
-set as Arrow from segment to result, and writes `recovered_buffer_state` in one delta-rs commit.
-
-Its result is the Spark path's (`snapshots.jobs.recover_buffer_states`): the same row rules (the
-functions of `snapshots.index`, which both paths call), `live_snapshots` restated over Arrow rows
-below, the same trimming, anchor and replay; the tests hold both paths equal, row for row, and
-equal to the full replay. Spark still does what is large: topics without a usable snapshot are
-replayed in full on Spark (`full_replay_states`), and a tail beyond `DriverLimits` sends the whole
-recovery to Spark.
+Recovery's work is small (a snapshot index of a few rows, one abort array per topic, the entries
+after the snapshots), but on Spark it is ~10 jobs whose fixed cost exceeds a full replay
+(docs/snapshots.md, "Recovery in the driver"). This path reads the segments, `ledger_states` and
+the tail of `ledger_entries` with delta-rs (file statistics skip older ledgers), replays the tail
+through the buffer kernel (the Spark path's input, `_replay_input`), keeps the abort set as Arrow,
+and writes `recovered_buffer_state` in one delta-rs commit. Its result is the Spark path's
+(`snapshots.jobs.recover_buffer_states`, the same row rules of `snapshots.index`), tested equal
+row for row and to the full replay. Spark still does what is large: topics without a usable
+snapshot, and a tail beyond `DriverLimits`.
 """
 
 from __future__ import annotations

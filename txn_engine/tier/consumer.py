@@ -16,13 +16,9 @@ and the ledgers gone from them are read from tiered storage. Without Spark (delt
 - a deleted ledger's entries come from the offload tier (`offloaded_entries` of the ledgers with
   a manifest row, `offloaded_ledgers`): everything there was decided when it was offloaded.
 
-What it cannot know, and so refuses (`ConsumerStateError`), rather than return wrong data:
-- the facts of a deleted ledger that the buffer's state does not hold with the ledger's counts
-  (it was deleted before the buffer ran over it, or the state was rebuilt since): only the
-  deleted rows held them, and they decide which later entries are duplicates or late.
-The entries of a ledger deleted without being offloaded (`txnlake retention
---include-not-offloaded`) are gone, as after retention in Kafka or Pulsar without tiered storage:
-they are not read (their facts still decide the rest).
+What it cannot know (a deleted ledger's facts the buffer's state does not hold) it refuses
+(`ConsumerStateError`) rather than return wrong data; a ledger deleted without being offloaded is
+not read, its entries gone (docs/engine.md, "The consumer").
 """
 
 from __future__ import annotations

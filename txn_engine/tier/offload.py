@@ -1,57 +1,15 @@
 """The filtered offload tier: `offloaded_entries` and `offload_manifest` (the offload seed).
 
 A CLOSED ledger whose last entry is at or below its topic's stable position holds only decided
-entries, so it can move to the cold tier. Only what a read-committed reader may ever see goes
-there: DATA entries that are non-transactional or committed (before their COMMIT marker, each
-(producer_id, sequence_id) once), at their original positions. Markers, aborted data, retried
-duplicates and late data stay behind, counted by reason in the manifest.
-
-Everything is decided with the buffer's own rules, from one consistent view of the log:
-- when the transaction buffer's persisted state (`buffer_ledger_txns`, `buffer_duplicates`, see
-  `refresh`) describes exactly the pinned `ledger_entries` (every ledger's entry
-  count and last entry agree, as the buffer's own planner checks), the facts are folded from
-  that state: a few narrow tables instead of the whole log (Pulsar's offloader likewise asks
-  the topic's transaction buffer, it does not re-read the topic);
-- otherwise (no state yet, a ledger the buffer has not processed, a ledger retention removed)
-  they are classified from the pinned `ledger_entries` itself (`spark_runner.facts_of_log`).
-Both ways run the buffer kernel and give the same facts (tested): the state is by definition its
-per-ledger step. The contract tables are read only at the versions the run that wrote the
-state recorded (below), never as they are now: they may be newer than the log version read, or
-half rewritten by a buffer run in progress.
-
-How the work is laid out, and why (writing Parquet costs several times what reading it does):
-- one version of `ledger_entries` is read throughout, so the facts, the eligibility, the copy
-  and the manifest describe the same rows;
-- the facts are narrow (no payload), and so is the catalog that eligibility is decided from;
-- the kept rows: when the buffer's state describes the pinned log and the run that wrote it
-  recorded the versions it left of `txn_markers`, `committed_entries` and `stable_positions`
-  (`refresh.RECORDED_TABLES`), those versions describe exactly this log: eligibility
-  takes that `stable_positions` (nothing refolded), and an eligible ledger, which holds decided
-  entries only, has its kept rows in that `committed_entries`: a filtered copy with no join. The
-  manifest then takes the kept side (count, bytes, checksum) from the tier rows written, read
-  back, and the dropped side from the state's per-(ledger, transaction) counts and the first
-  markers (`drops_from_state`); the kept count must lie within the bounds the state gives, else
-  the run stops before the manifest (`OffloadStateError`);
-- otherwise the offloaded ledgers' rows are classified against the duplicates and the decided
-  transactions, both broadcast (no full row is shuffled; past `BROADCAST_MAX_BYTES` of decided
-  transactions the rows are joined with them by shuffle: `decided_txns`), and the kept ones written; the
-  manifest is one aggregate over the same classification, recomputed rather than cached
-  (re-reading the rows costs less than spilling them).
-
-Per ledger the write is three steps, and the manifest row is the commit point:
-1. the kept rows replace the ledger's rows in `offloaded_entries` (Delta replaceWhere: one commit);
-2. the ledger's manifest row replaces any earlier one in `offload_manifest`;
-3. `ledger_states` records OFFLOADED.
-A crash after 1 leaves tier rows without a manifest row ("orphans"): every offload run first
-finishes them when the ledger is still eligible (steps 1-3 again: same rows) and otherwise
-rolls them back (deletes them). Finding them needs the ledgers of the whole tier, a scan that
-grows with it; so the manifest commit of step 2 records the tier version up to which every tier
-row has its manifest row (`TIER_CLEAN_AT`), and a run that finds the tier still at that version
-knows there are no orphans without reading it. Any other tier commit (a crash after 1, a
-rollback, another writer) changes the version, and the next run scans. A crash after 2 leaves a manifest row whose ledger is not yet
-recorded OFFLOADED: the next run records it. Readers trust the manifest only, so they never
-see a half-written ledger. A ledger that already has its manifest row is not copied again, so
-re-runs and backfills leave the same rows.
+entries, so it can move to the cold tier; only what a read-committed reader may ever see goes
+there, at its original positions, and markers, aborted data, retried duplicates and late data stay
+behind, counted by reason in the manifest. Everything is decided by the buffer's rules over one
+pinned version of `ledger_entries`: folded from the buffer's state when it describes that log (as
+Pulsar's offloader asks the topic's transaction buffer), else classified from the log; the kept
+rows come from the buffer's recorded `committed_entries` when there is one, else from the
+classified log. Per ledger: the tier rows, then the manifest row (the commit point), then the
+OFFLOADED state; every run first repairs what a crash left. docs/offload.md has the rules, the
+layout and the crash cases; docs/benchmarks.md, "Offload", the measurements behind them.
 """
 
 from __future__ import annotations

@@ -1,32 +1,14 @@
 """Reading a topic across the hot ledgers and the offload tier, in ledger order (the offload seed).
 
-Offloaded ledgers (those with an `offload_manifest` row) are read from `offloaded_entries`; the
-others from `committed_entries`, in ledger order. To the reader the two are one log with gaps
-where filtering removed markers, aborted data and duplicates.
-
-- A start position that filtering removed is not looked up entry by entry (the seed's ReadHandle
-  walked back to the index before a missing entry and looped): the read is a range predicate,
-  `position >= from`, so it starts at the next kept entry, whichever tier holds it.
-- Both tiers are limited by one position: the topic's published stable position
-  (`stable_positions`, read before the entries). The offloader decides from `ledger_entries`,
-  which may be newer than the buffer's tables (an ingest since the last `txnlake run`): a ledger
-  it offloaded may then lie past what the hot view can show before it, and reading it would show
-  half of a transaction and skip the hot entries before it for good. Limited the same way, an
-  offload never changes what a reader sees; the tier's ledgers show once the buffer catches up.
-  (In Pulsar the broker's max read position is always current, so offloaded data, always below
-  it, needs no limit: the seed's "not subject to MaxReadPosition".) Read first, the stable
-  position is never newer than the `committed_entries` read after it (a buffer run writes
-  `stable_positions` after the rows), and every entry at or below it is decided there, so
-  `position <= stable` is `in_stable_prefix` of those rows.
-- Hot rows of an offloaded ledger (before retention deletes them) are never read twice: the
-  manifest decides which tier a ledger is read from.
-
-Who reads: when the ledgers a read can reach (the topic's, from the start position's ledger up to
-the stable position) hold at most `driver_max_bytes` of entries by the `ledgers` catalog's
-`size_bytes` (`DRIVER_WRITE_MAX_BYTES`, the one budget of every driver path), delta-rs reads them
-and Arrow filters them in this process (`TopicReader.read_in_driver`), as Kafka's console
-consumer answers in a second: `txnlake read` then starts no JVM. Bigger reads, or a warehouse
-without a catalog, run on Spark (`TopicReader.frame`). Both apply the same rules, tested equal.
+Offloaded ledgers (those with an `offload_manifest` row) are read from `offloaded_entries`, the
+others from `committed_entries`: to the reader one log with gaps where filtering removed markers,
+aborted data and duplicates. A read is a range predicate, `position >= from`, so a start that
+filtering removed begins at the next kept entry, with no entry-by-entry lookup that could loop
+(the seed's ReadHandle). Both tiers are limited by the topic's published stable position, read
+first, so an offload ahead of the buffer's tables never shows half a transaction. Small reads
+(`driver_max_bytes` of entries by the catalog's `size_bytes`) run in this process by delta-rs and
+Arrow, with no JVM; bigger ones on Spark; the same rules, tested equal. The reasons:
+docs/offload.md, "Reading through gaps".
 """
 
 from __future__ import annotations

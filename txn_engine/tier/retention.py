@@ -1,38 +1,14 @@
 """Retention: delete old ledgers from the hot tables, by default only once they are offloaded.
 
-A policy (age, size, keep-N-ledgers) picks, per topic, a prefix of the oldest ledgers: deleting
-stops at the first ledger the policy keeps or that may not go (OPEN, or not yet offloaded when
-`require_offloaded`), so the hot log of a topic is always a suffix of it and the abort set and
-the stable position of what is left stay meaningful.
-
-Deleting a ledger, in this order (each step idempotent; the state log is the intent):
-1. its last known catalog row goes to `deleted_ledgers` (so `ledgers` keeps listing it);
-2. `ledger_states` records DELETED;
-3. its rows leave the derived hot tables: `committed_entries`, `txn_markers`, and from the abort
-   set `aborted_txns` every abort whose marker was in it (the trim of the brief);
-4. its rows leave `ledger_entries`, last: a ledger recorded DELETED that still has entries is
-   unfinished, and every retention run finishes those first.
-Then the disk: a Delta DELETE only removes files from the table's current version, so every
-(non-dry) run VACUUMs those four tables (delta-rs, full mode): the files removed longer ago than
-a table's `delta.deletedFileRetentionDuration` (Delta's default, 7 days, unless set: readers of
-older versions and time travel need them until then) are deleted. Space is freed that long after
-a ledger is deleted, by the first retention run after that, as Kafka frees a deleted segment
-after `file.delete.delay.ms`.
-The offload tier keeps its rows: readers still read deleted, offloaded ledgers from the tier.
-
-A ledger goes only once the buffer's state holds it at the catalog's counts
-(`RetentionPolicy.require_buffered`): its facts below outlive its rows only there, so a ledger
-ingested and deleted with no buffer run between would take them along (a retried send of it read
-as new, data after its marker as an open transaction holding the stable position back for good).
-The policy stops a topic's prefix there, as at a ledger not offloaded, and says so.
-
-Nothing else the buffer decided changes, as in a broker, whose transaction buffer only trims
-its abort set when a ledger goes: the buffer's state keeps the deleted ledgers' facts (per
-transaction and ledger, the sequence ids seen, the data of transactions not decided in their
-own ledger), so data after a marker in a deleted ledger stays late (it does not reopen its
-transaction and stall the stable position), a retried send whose first copy was deleted stays a
-duplicate, and `local_seq` keeps counting a transaction's deleted entries (they are not read). A recompute, full or not, works on top of
-those facts (`refresh`; tested against the reference fed the whole log, then trimmed).
+A policy (age, size, keep-N-ledgers) picks, per topic, a prefix of the oldest ledgers, stopping
+at the first one it keeps or that may not go (OPEN, not offloaded, not yet held by the buffer's
+state), so a topic's hot log stays a suffix and its abort set and stable position stay
+meaningful. A ledger goes in this order, each step idempotent: its catalog row to
+`deleted_ledgers`, DELETED recorded in `ledger_states` (the intent), its rows out of the derived
+tables (the abort set trimmed), its rows out of `ledger_entries` last; then the four tables are
+VACUUMed. The tier keeps its rows and the buffer's state the ledger's facts, so nothing else the
+buffer decided changes (a broker's transaction buffer too only trims its abort set).
+Details and reasons: docs/offload.md, "Retention".
 """
 
 from __future__ import annotations
