@@ -1,25 +1,22 @@
 -- Per topic, the oldest ongoing transaction: data on the topic and no marker yet. It is what
 -- holds the topic's stable position back (Kafka's and Pulsar's "hanging transaction").
--- A retried send (a DATA entry repeating an earlier one's topic, producer_id and sequence_id) is
--- dropped and starts nothing, so only each send's first copy counts.
+-- A retried send (a DATA entry repeating an earlier one's topic, producer_id, producer_epoch and
+-- sequence_id) is dropped and starts nothing, so only each send's first copy counts.
 WITH sent AS (
     SELECT
         topic, txn_most_bits, txn_least_bits, ledger_id, entry_id, publish_time, producer_id, sequence_id,
-        ROW_NUMBER() OVER (PARTITION BY topic, producer_id, sequence_id ORDER BY ledger_id, entry_id) AS copy
+        ROW_NUMBER() OVER (PARTITION BY topic, producer_id, producer_epoch, sequence_id ORDER BY ledger_id, entry_id) AS copy
     FROM ledger_entries
     WHERE entry_type = 'DATA'
 ),
 txn_data AS (
     SELECT
-        topic,
-        txn_most_bits,
-        txn_least_bits,
-        MIN(STRUCT(ledger_id, entry_id)) AS first_position,
-        MIN(publish_time) AS first_publish_time,
-        COUNT(*) AS data_entries
+        topic, txn_most_bits, txn_least_bits, ledger_id, entry_id, publish_time,
+        ROW_NUMBER() OVER (PARTITION BY topic, txn_most_bits, txn_least_bits ORDER BY ledger_id, entry_id) AS nth,
+        MIN(publish_time) OVER (PARTITION BY topic, txn_most_bits, txn_least_bits) AS first_publish_time,
+        COUNT(*) OVER (PARTITION BY topic, txn_most_bits, txn_least_bits) AS data_entries
     FROM sent
     WHERE txn_most_bits IS NOT NULL AND (copy = 1 OR producer_id IS NULL OR sequence_id IS NULL)
-    GROUP BY topic, txn_most_bits, txn_least_bits
 ),
 -- `stable_positions` says which topics have transactions ongoing and how many; every ongoing
 -- transaction's first entry lies after the stable position. That also leaves out a transaction
@@ -30,21 +27,25 @@ ongoing AS (
     JOIN stable_positions AS s
       ON s.topic = d.topic
      AND s.ongoing_txn_count > 0
-     AND d.first_position > STRUCT(s.max_read_ledger_id, s.max_read_entry_id)
-    LEFT ANTI JOIN txn_markers AS m
-      ON m.topic = d.topic AND m.txn_most_bits = d.txn_most_bits AND m.txn_least_bits = d.txn_least_bits
+     AND (d.ledger_id > s.max_read_ledger_id
+          OR (d.ledger_id = s.max_read_ledger_id AND d.entry_id > s.max_read_entry_id))
+    WHERE d.nth = 1
+      AND NOT EXISTS (
+        SELECT 1 FROM txn_markers AS m
+        WHERE m.topic = d.topic AND m.txn_most_bits = d.txn_most_bits AND m.txn_least_bits = d.txn_least_bits
+      )
 ),
 ranked AS (
     SELECT
         o.*,
-        ROW_NUMBER() OVER (PARTITION BY topic ORDER BY first_position) AS age_rank
+        ROW_NUMBER() OVER (PARTITION BY topic ORDER BY ledger_id, entry_id) AS age_rank
     FROM ongoing AS o
 )
 SELECT
     topic,
     CONCAT(CAST(txn_most_bits AS STRING), ':', CAST(txn_least_bits AS STRING)) AS txn_id,
-    first_position.ledger_id AS first_ledger_id,
-    first_position.entry_id AS first_entry_id,
+    ledger_id AS first_ledger_id,
+    entry_id AS first_entry_id,
     first_publish_time,
     data_entries,
     ongoing_txns

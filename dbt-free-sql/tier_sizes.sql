@@ -3,7 +3,7 @@ WITH hot AS (
     SELECT
         topic,
         COUNT(*) AS hot_entries,
-        SUM(COALESCE(OCTET_LENGTH(payload), 0) + COALESCE(OCTET_LENGTH(key), 0)) AS hot_bytes
+        SUM(COALESCE(OCTET_LENGTH(payload), 0) + COALESCE(CAST(BIT_LENGTH(key) / 8 AS BIGINT), 0)) AS hot_bytes
     FROM ledger_entries
     GROUP BY topic
 ),

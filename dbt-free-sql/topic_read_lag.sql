@@ -8,7 +8,7 @@ SELECT
     s.max_read_entry_id,
     s.ongoing_txn_count,
     COUNT(e.entry_id) AS entries_behind,
-    COALESCE(SUM(COALESCE(OCTET_LENGTH(e.payload), 0) + COALESCE(OCTET_LENGTH(e.key), 0)), 0) AS bytes_behind
+    COALESCE(SUM(COALESCE(OCTET_LENGTH(e.payload), 0) + COALESCE(CAST(BIT_LENGTH(e.key) / 8 AS BIGINT), 0)), 0) AS bytes_behind
 FROM stable_positions AS s
 LEFT JOIN ledger_entries AS e
   ON e.topic = s.topic
