@@ -64,6 +64,7 @@ from txn_engine.core.schema import (
     QUARANTINE_ENTRIES,
     QUARANTINE_ENTRIES_SCHEMA,
 )
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -748,6 +749,9 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
             # each is idempotent.
             if summary.rows_quarantined:
                 _write_quarantine(warehouse, classified, summary.ingest_id)
+            elif not warehouse.exists(QUARANTINE_ENTRIES):
+                # The table the summary names exists from the first ingest on, empty or not.
+                DeltaTables(warehouse).overwrite(QUARANTINE_ENTRIES, [], QUARANTINE_ENTRIES_SCHEMA)
             if summary.rows_written or not warehouse.exists(LEDGER_ENTRIES):
                 # Files of contiguous positions, sorted: a ledger's entries sit together, so
                 # aggregates by ledger and transaction combine before they shuffle, and readers
