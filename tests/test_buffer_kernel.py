@@ -227,6 +227,51 @@ def test_random_histories_equal_the_reference(entries):
         assert actual[table] == expected[table], f"table {table}: {brief(entries)}"
 
 
+def decoded_segments(segments: pa.Table) -> list[tuple]:
+    """The rows a segment table encodes (`kernel.visible_segments`), decoded independently."""
+    rows = []
+    for seg in segments.to_pylist():
+        for offset, code in enumerate(seg["codes"]):
+            if code < 0:
+                continue
+            ledger, entry = seg["ledger_id"], seg["first_entry_id"] + offset
+            target = seg["targets"][(code >> kernel.CODE_TARGET_SHIFT) & kernel.CODE_TARGET_MASK] if not code & 1 else None
+            visible = (ledger, entry) if code & 1 else (target["ledger_id"], target["entry_id"])
+            rows.append((ledger, entry, *visible, code >> kernel.CODE_SEQ_SHIFT, bool(code & 2)))
+    return sorted(rows)
+
+
+def visible_rows(visible: pa.Table) -> list[tuple]:
+    columns = ["ledger_id", "entry_id", "visible_ledger_id", "visible_entry_id", "local_seq", "in_stable_prefix"]
+    return sorted(zip(*(visible[c].to_pylist() for c in columns)))
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.data_too_large])
+@given(history())
+def test_visible_segments_encode_every_visible_decision(entries):
+    table = arrow_entries(entries)
+    for topic in sorted(set(table["topic"].to_pylist())):
+        visible = kernel.full_scope_tables(table.filter(pc.equal(table["topic"], topic))).tables[kernel.VISIBLE]
+        segments = kernel.visible_segments(visible)
+        assert decoded_segments(segments) == visible_rows(visible), brief(entries)
+        assert segments.schema == kernel.SEGMENT_SCHEMA
+
+
+def test_visible_segments_split_at_gaps_and_keep_foreign_targets():
+    visible = pa.table({
+        "topic": ["t"] * 5, "ledger_id": [1, 1, 1, 2, 2], "entry_id": [0, 1, 5000, 0, 3],
+        "_row": [0, 1, 2, 3, 4],
+        "visible_ledger_id": [1, 2, 1, 2, 2], "visible_entry_id": [0, 3, 5000, 3, 3],
+        "local_seq": [0, 0, 0, 1, 0], "in_stable_prefix": [True, False, True, False, False],
+    })
+    segments = kernel.visible_segments(visible)
+    assert [(s["ledger_id"], s["first_entry_id"], s["last_entry_id"]) for s in segments.to_pylist()] == [
+        (1, 0, 1), (1, 5000, 5000), (2, 0, 3)]  # a gap of more than SEGMENT_GAP entry ids starts a segment
+    assert decoded_segments(segments) == visible_rows(visible)
+    assert segments["codes"].to_pylist()[2][1:3] == [-1, -1]  # entry ids with no visible row
+
+
 def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
     """The Spark runner: a group per topic, the decisions joined with the full rows, the totals summed."""
     tables = compute_buffer_tables(frame(spark, reversed(scenario_entries)))

@@ -377,6 +377,60 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
 _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id", "local_seq"]
 
 
+# `VISIBLE` as segments of a ledger's entry ids, for a join by (topic, ledger) and a lookup by entry
+# id (the Spark runner's committed rows): a row's code is -1 when it is not visible, else
+# local_seq << 32 | target << 2 | in_stable_prefix << 1 | at_own_position, where `target`
+# indexes the segment's `targets` (the visible positions that are not the rows' own).
+SEGMENT_GAP = 1024  # entry ids further apart than this start a new segment
+CODE_SEQ_SHIFT, CODE_TARGET_SHIFT = 32, 2
+CODE_TARGET_MASK = (1 << 30) - 1
+SEGMENT_SCHEMA = pa.schema([("ledger_id", pa.int64()), ("first_entry_id", pa.int64()), ("last_entry_id", pa.int64()),
+                            ("codes", pa.list_(pa.int64())),
+                            ("targets", pa.list_(pa.struct([("ledger_id", pa.int64()), ("entry_id", pa.int64())])))])
+
+
+def visible_segments(visible: pa.Table) -> pa.Table:
+    """One topic's `VISIBLE` decisions as `SEGMENT_SCHEMA` rows (see above): a few rows per ledger,
+    eight bytes per entry id they span."""
+    v = visible.sort_by([("ledger_id", "ascending"), ("entry_id", "ascending")])
+    if not v.num_rows:
+        return SEGMENT_SCHEMA.empty_table()
+    ledger, entry = v["ledger_id"].to_numpy(), v["entry_id"].to_numpy()
+    target_ledger, target_entry = v["visible_ledger_id"].to_numpy(), v["visible_entry_id"].to_numpy()
+    seq = v["local_seq"].to_numpy()
+    if seq.max() > np.iinfo(np.int32).max:
+        raise ValueError(f"a transaction has more than {np.iinfo(np.int32).max} entries on one topic; "
+                         "visible_segments cannot encode its order")
+    own = (target_ledger == ledger) & (target_entry == entry)
+    stable = v["in_stable_prefix"].to_numpy(zero_copy_only=False).astype(np.int64)
+    starts = np.flatnonzero(np.r_[True, (ledger[1:] != ledger[:-1]) | (entry[1:] - entry[:-1] > SEGMENT_GAP)])
+    ends = np.append(starts[1:], len(ledger))
+    codes, code_offsets, targets_l, targets_e, target_offsets = [], [0], [], [], [0]
+    for s, e in zip(starts, ends):
+        foreign = ~own[s:e]
+        pairs = np.stack([target_ledger[s:e][foreign], target_entry[s:e][foreign]], axis=1)
+        unique, index = np.unique(pairs, axis=0, return_inverse=True) if len(pairs) else (np.empty((0, 2), np.int64), [])
+        if len(unique) > CODE_TARGET_MASK:
+            raise ValueError("a ledger segment has more visible positions than visible_segments can encode")
+        target = np.zeros(e - s, dtype=np.int64)
+        target[foreign] = np.asarray(index).reshape(-1)
+        span = np.full(entry[e - 1] - entry[s] + 1, -1, dtype=np.int64)
+        span[entry[s:e] - entry[s]] = ((seq[s:e] << CODE_SEQ_SHIFT) | (target << CODE_TARGET_SHIFT)
+                                      | (stable[s:e] << 1) | own[s:e].astype(np.int64))
+        codes.append(span)
+        code_offsets.append(code_offsets[-1] + len(span))
+        targets_l.append(unique[:, 0])
+        targets_e.append(unique[:, 1])
+        target_offsets.append(target_offsets[-1] + len(unique))
+    target_struct = pa.StructArray.from_arrays([pa.array(np.concatenate(targets_l), pa.int64()),
+                                                pa.array(np.concatenate(targets_e), pa.int64())], ["ledger_id", "entry_id"])
+    return pa.table([
+        pa.array(ledger[starts], pa.int64()), pa.array(entry[starts], pa.int64()), pa.array(entry[ends - 1], pa.int64()),
+        pa.ListArray.from_arrays(pa.array(code_offsets, pa.int32()), pa.array(np.concatenate(codes), pa.int64())),
+        pa.ListArray.from_arrays(pa.array(target_offsets, pa.int32()), target_struct),
+    ], schema=SEGMENT_SCHEMA)
+
+
 def select_rows(rows: pa.Table, decided: pa.Table, schema) -> pa.Table:
     """The full `rows` that `decided` (`_row`-ordered decisions by `_row`) names, with the decisions'
     own columns beyond the position appended, in `schema`: a filter by mask, as a `take` of

@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, LongType, StringType, StructField, StructType
+from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType
 
 from txn_engine.buffer import kernel
 from txn_engine.buffer.kernel import (
@@ -35,7 +35,7 @@ from txn_engine.buffer.kernel import (
     require_ledger_entries,
 )
 from txn_engine.storage.arrow_frames import arrow_schema
-from txn_engine.storage.delta_io import NARROW_ROW_BYTES, fits_driver
+from txn_engine.storage.delta_io import NARROW_ROW_BYTES
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_DUPLICATES,
@@ -56,8 +56,11 @@ from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, conform
 _POSITIONS = [StructField(c, StringType() if c == "topic" else LongType()) for c in POSITION_COLUMNS]
 DECISION_SCHEMAS: dict[str, StructType] = {
     **{name: TABLE_SCHEMAS[name] for name in NARROW_TABLES},
-    VISIBLE: StructType([*_POSITIONS, StructField("visible_ledger_id", LongType()), StructField("visible_entry_id", LongType()),
-                         StructField("local_seq", LongType()), StructField("in_stable_prefix", BooleanType())]),
+    # The VISIBLE decisions as `kernel.visible_segments`: a few rows per ledger, not one per entry.
+    VISIBLE: StructType([StructField("ledger_id", LongType()), StructField("first_entry_id", LongType()),
+                         StructField("last_entry_id", LongType()), StructField("codes", ArrayType(LongType())),
+                         StructField("targets", ArrayType(StructType([StructField("ledger_id", LongType()),
+                                                                       StructField("entry_id", LongType())])))]),
     PENDING: StructType(_POSITIONS),
     "violations": StructType([StructField(v, LongType()) for v in VIOLATIONS]),
 }
@@ -121,7 +124,7 @@ def _of_kind(union: pa.Table, name: str) -> pa.Table:
 
 def _decisions(decided: ScopeTables, topic: str) -> pa.Table:
     parts = {name: table for name, table in decided.tables.items()}
-    parts[VISIBLE] = parts[VISIBLE].drop_columns(["_row"])
+    parts[VISIBLE] = kernel.visible_segments(parts[VISIBLE])
     parts[PENDING] = parts[PENDING].drop_columns(["_row"])
     parts["violations"] = pa.Table.from_pylist([{v: int(decided.violations.get(v, 0)) for v in VIOLATIONS}])
     return _as_union(parts, OUTPUT_SCHEMA, topic)
@@ -161,9 +164,11 @@ class SparkDecisions:
     frame: DataFrame
 
     def table(self, name: str) -> DataFrame:
+        """Table `name`'s rows, with the group's `topic` first when its own columns do not hold it."""
         schema = DECISION_SCHEMAS[name]
+        topic = [] if "topic" in schema.fieldNames() else [F.col("topic")]
         return self.frame.where(F.col("kind") == name).select(
-            *[F.col(f"{name}.{f.name}").cast(f.dataType).alias(f.name) for f in schema.fields])
+            *topic, *[F.col(f"{name}.{f.name}").cast(f.dataType).alias(f.name) for f in schema.fields])
 
     def violations(self) -> dict[str, int]:
         row = self.table("violations").agg(*[F.coalesce(F.sum(v), F.lit(0)).alias(v) for v in VIOLATIONS]).first()
@@ -280,12 +285,27 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
 
 
 def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
-    """`committed_entries`: the full `rows` the kernel decided visible, with its decisions."""
-    visible = decided.table(VISIBLE)
-    # Broadcast while the decisions fit: the full rows then stream past them, never shuffled.
-    if fits_driver(visible, BROADCAST_MAX_BYTES, NARROW_ROW_BYTES):
-        visible = F.broadcast(visible)
-    return conform(rows.join(visible, list(POSITION_COLUMNS)), COMMITTED_ENTRIES_SCHEMA)
+    """`committed_entries`: the full `rows` the kernel decided visible, with its decisions, looked
+    up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id."""
+    segments = decided.table(VISIBLE)
+    # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
+    size = segments.agg(F.sum(F.size("codes") * 8 + F.size("targets") * 16 + NARROW_ROW_BYTES)).first()[0] or 0
+    if size <= BROADCAST_MAX_BYTES:
+        segments = F.broadcast(segments)
+    joined = rows.join(segments, ["topic", "ledger_id"]).where(F.col("entry_id").between(F.col("first_entry_id"), F.col("last_entry_id")))
+    code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
+    joined = joined.withColumn("_code", code).where(F.col("_code") >= 0)
+    code = F.col("_code")
+    own = code.bitwiseAND(1) == 1
+    target = F.get(F.col("targets"), F.shiftright(code, kernel.CODE_TARGET_SHIFT).bitwiseAND(kernel.CODE_TARGET_MASK).cast("int"))
+    decided_rows = joined.select(
+        *LEDGER_ENTRY_COLUMNS,
+        F.when(own, F.col("ledger_id")).otherwise(target["ledger_id"]).alias("visible_ledger_id"),
+        F.when(own, F.col("entry_id")).otherwise(target["entry_id"]).alias("visible_entry_id"),
+        F.shiftright(code, kernel.CODE_SEQ_SHIFT).alias("local_seq"),
+        (code.bitwiseAND(2) == 2).alias("in_stable_prefix"),
+    )
+    return conform(decided_rows, COMMITTED_ENTRIES_SCHEMA)
 
 
 def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None) -> dict[str, DataFrame]:
