@@ -1,26 +1,14 @@
 """A read-committed consumer of one topic, in ledger order, decided by the transaction buffer's kernel.
 
-It reads what the buffer's rules let a read-committed reader of the topic's whole log see, across
-the ledgers retention deleted, as a Pulsar consumer does: the topic's transaction buffer resumes
-from what it recorded and decides the ledgers still stored, and the ledgers gone from them are
-read from tiered storage. Without Spark (delta-rs / pyarrow):
-
-- the ledgers still in `ledger_entries` are the scope of the buffer's kernel (`kernel.scope_tables`,
-  the one definition of what is committed, aborted, undecided or a duplicate), over their narrow
-  columns; the rows it decides visible are then picked from the full rows by mask, so payloads
-  never pass through the rules;
-- the state it reads is what the buffer's state keeps of the ledgers retention deleted
-  (`buffer_ledger_txns`: each transaction's first marker and first kept entry;
-  `buffer_sequence_ranges`: the sequence ids seen) and their last entries (`deleted_ledgers`):
-  the kernel's incremental case, a run over some ledgers on top of the stored facts of the others.
-  So a retried send whose first copy was deleted stays a duplicate, data after a marker in a
-  deleted ledger stays late, and a transaction still open there holds the stable position back;
-- a deleted ledger's entries come from the offload tier (`offloaded_entries` of the ledgers with
-  a manifest row, `offloaded_ledgers`): everything there was decided when it was offloaded.
-
-What it cannot know (a deleted ledger's facts the buffer's state does not hold) it refuses
-(`ConsumerStateError`) rather than return wrong data; a ledger deleted without being offloaded is
-not read, its entries gone (docs/engine.md, "The consumer").
+It reads what the buffer's rules let a reader of the topic's whole log see, across the ledgers
+retention deleted, as a Pulsar consumer does, without Spark (delta-rs / pyarrow): the stored
+ledgers are the scope of `kernel.scope_tables` (narrow columns; the full rows it decides visible
+are picked by mask), the facts the buffer's state keeps of the deleted ledgers
+(`buffer_ledger_txns`, `buffer_sequence_ranges`, their last entries in `deleted_ledgers`) are the
+state it reads, and the deleted ledgers' entries come from the offload tier. What it cannot know
+(a deleted ledger's facts the state does not hold) it refuses (`ConsumerStateError`) rather than
+return wrong data; a ledger deleted without being offloaded is not read, its entries gone. A kept
+`Consumer` decides only the ledgers that grew (docs/engine.md, "The consumer").
 """
 
 from __future__ import annotations
@@ -68,7 +56,7 @@ class ConsumerStateError(TxnlakeError):
 
 
 def _entries(rows: pa.Table) -> list[LogEntry]:
-    # Column by column: a dict per row (`to_pylist`, `LogEntry.from_row`) costs twice as much.
+    # Column by column, in LogEntry's field order: no dict per row (docs/benchmarks.md, the consumer).
     fields = list(LogEntry.__dataclass_fields__)
     return [LogEntry(*values) for values in zip(*(rows[f].to_pylist() for f in fields))]
 
