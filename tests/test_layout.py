@@ -67,19 +67,14 @@ def test_every_txn_engine_module_lives_in_a_layer() -> None:
 
 
 def test_imports_point_down() -> None:
-    upward = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
-                    if rank(d) > rank(m) and f"{m} -> {d}" not in KNOWN_REFERENCE_USES)
+    upward = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps if rank(d) > rank(m))
     assert upward == [], "imports that point up the layers:\n" + "\n".join(upward)
-
-
-# The one production use left, until the consumer reads through the buffer kernel (issue #40).
-KNOWN_REFERENCE_USES = {"txn_engine.tier.consumer -> txn_engine.reference.transaction_buffer"}
 
 
 def test_production_code_never_imports_the_reference() -> None:
     offenders = sorted(f"{m} -> {d}" for m, deps in import_graph().items() for d in deps
                        if d.startswith("txn_engine.reference") and not m.startswith("txn_engine.reference"))
-    assert set(offenders) == KNOWN_REFERENCE_USES
+    assert offenders == []
 
 
 def test_reference_reads_only_core_and_the_snapshot_format() -> None:

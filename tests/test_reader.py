@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
+from pyspark.sql import functions as F
 
 from assets.offload import tier_holds_only_committed_data
 from pipelines.cli import main
@@ -19,7 +23,8 @@ from txn_engine.log.ingest import ingest_files
 from txn_engine.log.ledgers import current_ledger_catalog
 from txn_engine.tier.offload import offload_ledgers
 from txn_engine.core.positions import EARLIEST, Position
-from txn_engine.tier.reader import TopicReader, views_behind_log
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.tier.reader import SENT_COLUMNS, TopicReader, read_limit, repeated_in_tier, repeated_in_tier_on_spark, views_behind_log
 from txn_engine.core.schema import LEDGERS
 
 
@@ -160,3 +165,35 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "no ledger to offload" in out
     assert "view of 1 topic(s) is behind the log: t (log reaches 4:1)" in err and "run `txnlake run`" in err
+
+
+def test_the_read_rules_are_one_function_each_run_in_the_driver_or_on_spark(spark):
+    """`read_limit` (a pyarrow filter or a Spark column, from one expression) and `repeated_in_tier`
+    (Arrow, called by the driver, run by Spark a topic at a time) decide the same rows both ways on
+    the same inputs: null epochs, rows without a key, two topics, positions around both limits."""
+    rng = random.Random(7)
+    maybe = lambda values: rng.choice([None, *values])  # noqa: E731
+
+    def rows(ledgers, n):
+        return [(rng.choice(["t", "u"]), maybe([1, 2]), maybe([0, 1]), maybe([0, 1, 2]), rng.choice(ledgers), i)
+                for i in range(n)]
+
+    hot, tier = rows([4, 5, 6], 300), rows([1, 2], 120)
+    schema = "topic string, producer_id long, producer_epoch int, sequence_id long, ledger_id long, entry_id long"
+    frames = [spark.createDataFrame(r, schema) for r in (hot, tier)]
+    arrow = [pa.Table.from_pylist([dict(zip(SENT_COLUMNS, r)) for r in t], arrow_schema(spark.createDataFrame([], schema).schema))
+             for t in (hot, tier)]
+
+    def by_topic(table):
+        return pa.concat_tables([repeated_in_tier(table.filter(pc.equal(table["topic"], t)),
+                                                  arrow[1].filter(pc.equal(arrow[1]["topic"], t))) for t in ("t", "u")])
+
+    in_driver = sorted(tuple(r.values()) for r in by_topic(arrow[0]).to_pylist())
+    on_spark = sorted(tuple(r) for r in repeated_in_tier_on_spark(*frames).collect())
+    assert in_driver == on_spark and 0 < len(in_driver) < len(hot)
+    assert any(r[2] is None for r in hot if (r[0], r[4], r[5]) in {(t, l, e) for t, l, e in in_driver})  # a null epoch matched
+    for start, stable in [(EARLIEST, Position(5, 100)), (Position(4, 50), Position(6, 200)), (Position(5, 0), Position(4, 10)),
+                          (Position(5, 130), Position(5, 130))]:
+        driver = sorted(arrow[0].filter(read_limit(pc.field, start, stable))["entry_id"].to_pylist())
+        assert driver == sorted(r.entry_id for r in frames[0].where(read_limit(F.col, start, stable)).collect())
+        assert driver == [r[5] for r in hot if start <= (r[4], r[5]) <= stable]

@@ -20,7 +20,7 @@ from tests.test_offload_property import STEP, build_history
 from txn_engine.buffer import kernel
 from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
 from txn_engine.buffer.spark_runner import compute_buffer_tables
-from txn_engine.tier.consumer import Consumer, ConsumerStateError, resumed_buffer
+from txn_engine.tier.consumer import Consumer, ConsumerStateError, TopicDecisions, resumed_decisions
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, overwrite_small
 from txn_engine.producers.engine import Engine
@@ -40,7 +40,7 @@ from txn_engine.tier.retention import (
     parse_bytes,
     parse_duration,
 )
-from txn_engine.core.positions import EARLIEST
+from txn_engine.core.positions import EARLIEST, Position
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
@@ -230,9 +230,10 @@ def test_the_engines_consumer_reads_deleted_ledgers_as_the_reference_fed_the_who
 
 
 def test_a_kept_consumer_feeds_only_what_was_appended_and_builds_again_when_the_log_changed_otherwise(warehouse, tmp_path):
-    """A consumer kept between calls (as a Pulsar consumer reads on from its cursor) feeds its buffer the
-    entries appended since the last call; rows in a ledger it fed before (files ingested out of order)
-    or retention make it build the buffer again. Each read equals a new consumer's and the reference's."""
+    """A consumer kept between calls (as a Pulsar consumer reads on from its cursor) decides only the
+    ledgers that grew since the last call (new ones, the OPEN one it fed last); rows before the last
+    entry it fed (files ingested out of order) or retention make it decide the whole log again. Each
+    read equals a new consumer's and the reference's."""
     tables, kept = DeltaTables(warehouse), Consumer(DeltaTables(warehouse), "t")
     log = sorted(HISTORY + COMMIT_D, key=lambda r: (r["topic"], r["ledger_id"], r["entry_id"]))
     late = entry("t", 2, 5, producer=1, seq=1, payload=b"t-2-5")  # ledger 2 after ledger 4 was ingested
@@ -257,6 +258,9 @@ def test_a_kept_consumer_feeds_only_what_was_appended_and_builds_again_when_the_
     ingest("c.jsonl", [r for r in log if r["ledger_id"] >= 4 and r["ledger_id"] != 5])  # COMMIT D: 2:4 and 3:0 become readable
     assert [p[:2] for p in read_as_expected(1)][-4:] == [(2, 4), (3, 0), (3, 1), (4, 0)]
     assert [str(e.position) for e in kept.poll()] == ["2:1", "2:4", "3:0", "3:1", "4:0"]
+    ingest("open.jsonl", [entry("t", 4, 2, payload=b"t-4-2")])  # appended to the OPEN ledger: decided again, not the log
+    read_as_expected(1)
+    assert [str(e.position) for e in kept.poll()] == ["4:2"]
     ingest("d.jsonl", [late])  # before the last entry fed: built again
     assert (2, 5, b"t-2-5") in read_as_expected(2)
     assert [str(e.position) for e in kept.poll()] == []  # the cursor is past 2:5, as a Pulsar cursor would be
@@ -268,35 +272,50 @@ def test_a_kept_consumer_feeds_only_what_was_appended_and_builds_again_when_the_
 
 
 @settings(max_examples=100, deadline=None, database=None)
-@given(steps=st.lists(STEP, min_size=1, max_size=25), deleted=st.integers(1, 6))
-def test_the_consumers_buffer_resumed_after_deleted_ledgers_decides_as_the_whole_log(steps, deleted):
-    """The buffer the consumer resumes from the state's facts of the first ledgers (as the buffer's
-    own run writes them: `kernel`), fed the rest, reads and holds the stable position as the
-    reference fed every ledger: transactions still open in the deleted ledgers included, which an
-    offloaded ledger never holds (so the tests through the tier never see them)."""
+@given(steps=st.lists(STEP, min_size=1, max_size=25), deleted=st.integers(0, 6), cut=st.integers(0, 7))
+def test_the_consumers_decisions_resumed_after_deleted_ledgers_and_fed_by_pieces_are_the_whole_logs(steps, deleted, cut):
+    """The consumer's kernel decisions, resumed from the state's facts of the first ledgers (as the
+    buffer's own run writes them: `kernel`) and fed the rest a ledger at a time, a ledger's first
+    entries before the whole of it (as a kept consumer feeds an OPEN ledger that grew), read and
+    hold the stable position after every feed as the reference fed every ledger up to there:
+    transactions still open in the deleted ledgers included, which an offloaded ledger never holds
+    (so the tests through the tier never see them)."""
     entries = build_history("h", steps, 100)
     ledgers = sorted({e.ledger_id for e in entries})
     gone_ids = pa.array(ledgers[:min(deleted, len(ledgers) - 1)], pa.int64())
-    if not len(gone_ids):
-        return
-    whole = TopicTransactionBuffer("h")
-    for e in entries:
-        whole.append(e)
     log = pa.Table.from_pylist([{c: getattr(e, c) for c in LEDGER_ENTRY_COLUMNS} for e in entries],
                                schema=arrow_schema(LEDGER_ENTRIES_SCHEMA))
     in_gone = pc.is_in(log["ledger_id"], gone_ids)
-    narrow = kernel.with_row_index(log.filter(in_gone))
-    duplicate = kernel.is_duplicate(narrow, kernel.duplicate_positions(narrow))
-    gone = {ledger: {"entry_count": sum(e.ledger_id == ledger for e in entries),
-                     "last_entry_id": max(e.entry_id for e in entries if e.ledger_id == ledger)} for ledger in gone_ids.to_pylist()}
     hot = log.filter(pc.invert(in_gone))
-    resumed = resumed_buffer("h", gone, hot, kernel.by_ledger_txn(narrow, duplicate),
-                             kernel.sequence_ranges(narrow, duplicate))
-    for row in hot.to_pylist():
-        resumed.append(LogEntry.from_row(row))
     first_hot = pc.min(hot["ledger_id"]).as_py()
-    assert resumed.read_committed(EARLIEST) == [e for e in whole.read_committed(EARLIEST) if e.ledger_id >= first_hot]
-    assert resumed.max_read_position == whole.max_read_position
+    decisions = TopicDecisions("h")
+    if len(gone_ids):
+        narrow = kernel.with_row_index(log.filter(in_gone))
+        duplicate = kernel.is_duplicate(narrow, kernel.duplicate_positions(narrow))
+        gone = {ledger: {"entry_count": sum(e.ledger_id == ledger for e in entries),
+                         "last_entry_id": max(e.entry_id for e in entries if e.ledger_id == ledger)}
+                for ledger in gone_ids.to_pylist()}
+        decisions = resumed_decisions("h", gone, first_hot, kernel.by_ledger_txn(narrow, duplicate),
+                                      kernel.sequence_ranges(narrow, duplicate))
+    whole = TopicTransactionBuffer("h")
+    for e in entries:
+        if e.ledger_id < first_hot:
+            whole.append(e)
+    hot_entries, done = [e for e in entries if e.ledger_id >= first_hot], 0
+    for ledger in ledgers[len(gone_ids):]:
+        rows = hot.filter(pc.equal(hot["ledger_id"], ledger))
+        for piece in sorted({min(cut, rows.num_rows - 1) or rows.num_rows, rows.num_rows}):
+            assert decisions.only_appends(rows.slice(0, piece))
+            decisions.feed(rows.slice(0, piece))
+            while done < len(hot_entries) and hot_entries[done].position <= (ledger, rows["entry_id"][piece - 1].as_py()):
+                whole.append(hot_entries[done])
+                done += 1
+            assert decisions.read_committed(EARLIEST) == [e for e in whole.read_committed(EARLIEST) if e.ledger_id >= first_hot]
+            assert decisions.max_read_position == whole.max_read_position
+            assert decisions.read_committed(Position(ledger, 1), 2) == [
+                e for e in whole.read_committed(Position(ledger, 1)) if e.ledger_id >= first_hot][:2]
+    if hot.num_rows > 1:  # a row at or before the last one fed: a kept consumer decides the whole log again
+        assert not decisions.only_appends(hot.slice(0, 1))
 
 
 def data_files_on_disk(wh, table):

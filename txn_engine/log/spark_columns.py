@@ -36,7 +36,8 @@ def has_sequence() -> Column:
 
 
 def position_lt(ledger: Column, entry: Column, other_ledger: Column, other_entry: Column) -> Column:
-    """(ledger, entry) < (other_ledger, other_entry) in log order, on two long columns."""
+    """(ledger, entry) < (other_ledger, other_entry) in log order, on two long columns. Operators
+    only, so pyarrow expressions (`pc.field`) work as well: the reader's limit is one rule both ways."""
     return (ledger < other_ledger) | ((ledger == other_ledger) & (entry < other_entry))
 
 

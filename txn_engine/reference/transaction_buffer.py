@@ -11,7 +11,7 @@ It is deliberately simple and slow: plain dicts and lists, no Spark, no I/O.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping, NamedTuple
+from typing import Iterable, NamedTuple
 
 from txn_engine.core.log_types import BufferState, EntryType, LogEntry, TxnId, TxnMarker, TxnState, Violation
 from txn_engine.core.positions import EARLIEST, Position, position_before
@@ -53,36 +53,18 @@ class TopicTransactionBuffer:
 
     @classmethod
     def restored(cls, topic: str, aborts: Iterable[tuple[TxnId, Position]],
-                 last_position: Position | None, *, closed: Iterable[TxnMarker] = (),
-                 ongoing: Mapping[TxnId, Position] | None = None, sequences: Iterable[tuple[int, int | None, int]] = (),
-                 ledger_lasts: Iterable[Position] = ()) -> "TopicTransactionBuffer":
+                 last_position: Position | None) -> "TopicTransactionBuffer":
         """A buffer resumed from a snapshot, ready to be fed the entries after `last_position`.
 
         `aborts` is the snapshot's abort set; those transactions count as closed, so a later
         marker of theirs is a duplicate and later data is late, exactly as in a full replay.
         `last_position` is the last remaining entry at or before the replay start: the log's end
         so far and the "previous non-empty ledger" of the position-before rule.
-
-        Resumed after ledgers whose entries are gone (the consumer after retention), the facts of
-        those ledgers that the entries after them depend on: `closed`, the first markers outside
-        the abort set (commits, trimmed aborts: closed all the same); `ongoing`, the transactions
-        with kept data there and no marker yet (txn -> first position: they hold the stable
-        position back; their data there is not in the buffer); `sequences`, the (producer_id,
-        producer_epoch, sequence_id) keys of DATA seen there (a later copy is a duplicate); `ledger_lasts`, the
-        ledgers' last entries (the position-before rule).
         """
         buffer = cls(topic)
         for txn, position in aborts:
             buffer._markers[txn] = TxnMarker(txn, EntryType.ABORT, position)
             buffer._aborts[txn] = position
-        for marker in closed:
-            buffer._markers.setdefault(marker.txn, marker)
-        for txn, first in sorted((ongoing or {}).items(), key=lambda item: item[1]):
-            buffer._ongoing[txn] = first
-            buffer._pending[txn] = []
-        buffer._seen_sequences.update(sequences)
-        for last in ledger_lasts:
-            buffer._ledger_last[last.ledger_id] = last
         if last_position is not None:
             buffer.last_position = last_position
             buffer._ledger_last[last_position.ledger_id] = last_position

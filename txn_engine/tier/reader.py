@@ -7,14 +7,13 @@ filtering removed begins at the next kept entry, with no entry-by-entry lookup t
 (the seed's ReadHandle). Both tiers are limited by the topic's published stable position, read
 first, so an offload ahead of the buffer's tables never shows half a transaction. Small reads
 (`driver_max_bytes` of entries by the catalog's `size_bytes`) run in this process by delta-rs and
-Arrow, with no JVM; bigger ones on Spark; the same rules, tested equal. The reasons:
-docs/offload.md, "Reading through gaps".
+Arrow, with no JVM; bigger ones on Spark. Each rule is one function both ways run (`read_limit`,
+`repeated_in_tier`), tested equal. The reasons: docs/offload.md, "Reading through gaps".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import reduce
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
@@ -23,8 +22,9 @@ from pyspark.sql import DataFrame, Row
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, TimestampType
 
-from txn_engine.log.spark_columns import has_sequence, position_le, position_lt
+from txn_engine.log.spark_columns import position_le, position_lt
 from txn_engine.buffer import kernel
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, scan
 from txn_engine.core.errors import TableMissingError, TxnlakeError
 from txn_engine.log.ledgers import ledger_ranges
@@ -49,6 +49,51 @@ HOT, COLD = "hot", "cold"
 
 # A retried send's key, as the buffer de-duplicates by it (`kernel.SEQUENCE_KEY`, within a topic).
 SENT_KEY = kernel.SEQUENCE_KEY[1:]
+SENT_COLUMNS = [*kernel.SEQUENCE_KEY, "ledger_id", "entry_id"]
+REPEATED_SCHEMA = "topic string, ledger_id long, entry_id long"
+_SENT_TYPES = {f.name: f.type for f in arrow_schema(LEDGER_ENTRIES_SCHEMA) if f.name in SENT_COLUMNS}
+
+
+def read_limit(col, from_position: Position, stable: Position):
+    """The one read limit of both tiers and both ways of reading (module doc): at or after
+    `from_position`, at or below the published stable position. `col` names a column: `pc.field`
+    in the driver (a pyarrow filter), `F.col` on Spark; the expression uses only operators both
+    define, so it is this one rule either way."""
+    ledger, entry = col("ledger_id"), col("entry_id")
+    return (~position_lt(ledger, entry, from_position.ledger_id, from_position.entry_id)
+            & position_le(ledger, entry, stable.ledger_id, stable.entry_id))
+
+
+def repeated_in_tier(hot: pa.Table, tier: pa.Table) -> pa.Table:
+    """Positions (topic, ledger_id, entry_id) of the `hot` rows whose sent key a `tier` row of the
+    same topic holds (`SENT_KEY`; a null epoch is one value; a row without producer or sequence
+    has none). Once retention deleted a ledger, a recomputed hot view no longer knows that a
+    retried send repeats an entry now only in the tier: the tier's copy is the first, keep it.
+
+    Arrow only, so one function serves both ways of reading: the driver calls it, Spark runs it a
+    topic at a time on the key columns (`SENT_COLUMNS`) of the two frames, cogrouped."""
+    def keys(rows: pa.Table, in_tier: bool) -> pa.Table:
+        rows = rows.filter(kernel.has_sequence(rows))
+        table = pa.table({c: rows[c].cast(t) for c, t in _SENT_TYPES.items()})
+        return table.append_column("_hot", pa.array([not in_tier] * table.num_rows, pa.bool_()))
+
+    # Within a key, the tier's rows sort first: a group holds a tier row iff its first row is one.
+    ordered = kernel.grouped(pa.concat_tables([keys(tier, True), keys(hot, False)]), kernel.SEQUENCE_KEY, ["_hot"])
+    starts = kernel.group_starts(ordered, kernel.SEQUENCE_KEY)
+    hot_rows = ordered["_hot"].to_numpy(zero_copy_only=False).astype(bool)
+    group_in_tier = ~hot_rows[starts]
+    return ordered.filter(pa.array(hot_rows & group_in_tier[starts.cumsum() - 1])).select(kernel.POSITIONS)
+
+
+def repeated_in_tier_on_spark(hot: DataFrame, tier: DataFrame) -> DataFrame:
+    """`repeated_in_tier` on Spark: the key columns of each topic's rows of both frames, cogrouped,
+    in a Python worker; the full rows stay in the JVM."""
+    return hot.select(*SENT_COLUMNS).groupBy("topic").cogroup(tier.select(*SENT_COLUMNS).groupBy("topic")).applyInArrow(
+        repeated_in_tier, REPEATED_SCHEMA)
+
+
+def _stable(view: dict) -> Position:
+    return Position(view["max_read_ledger_id"], view["max_read_entry_id"])
 
 
 def views_behind_log(warehouse: Warehouse) -> dict[str, Position]:
@@ -119,31 +164,18 @@ class TopicReader:
         # Column expressions need a running session; a CLI's warehouse starts it on first use.
         wh.spark  # noqa: B018
         cold_ids = sorted(ledger for _, ledger in offloaded_ledgers(wh, topic))
-        at_or_after = ~position_lt(F.col("ledger_id"), F.col("entry_id"), F.lit(from_position.ledger_id), F.lit(from_position.entry_id))
-        stable = F.lit(False) if view is None else position_le(
-            F.col("ledger_id"), F.col("entry_id"), F.lit(view["max_read_ledger_id"]), F.lit(view["max_read_entry_id"]))
         # The one read limit, whichever tier holds the entry.
-        mine = (F.col("topic") == topic) & at_or_after & stable
-        cold = (
-            wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
-            .where(mine & F.col("ledger_id").isin(cold_ids))
-            .select(*LEDGER_ENTRY_COLUMNS, F.lit(COLD).alias("tier"))
-        )
+        mine = (F.col("topic") == topic) & (F.lit(False) if view is None else read_limit(F.col, from_position, _stable(view)))
+        tier = wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA).where(
+            (F.col("topic") == topic) & F.col("ledger_id").isin(cold_ids))
+        cold = tier.where(mine).select(*LEDGER_ENTRY_COLUMNS, F.lit(COLD).alias("tier"))
         hot = (
             wh.read(COMMITTED_ENTRIES)
             .where(mine & ~F.col("ledger_id").isin(cold_ids))
             .select(*LEDGER_ENTRY_COLUMNS, F.lit(HOT).alias("tier"))
         )
-        # Once retention deleted a ledger, a recomputed hot view no longer knows that a retried
-        # send repeats an entry now only in the tier; the tier's copy is the first, keep it.
-        sent_cold = (
-            wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
-            .where((F.col("topic") == topic) & F.col("ledger_id").isin(cold_ids) & has_sequence())
-            .select(*[F.col(c).alias(f"_sent_{c}") for c in SENT_KEY])
-        )
-        # Null-safe: a null epoch is one value of the key.
-        hot = hot.join(sent_cold, reduce(lambda a, b: a & b, [F.col(c).eqNullSafe(F.col(f"_sent_{c}")) for c in SENT_KEY]),
-                       "left_anti")
+        if cold_ids:
+            hot = hot.join(repeated_in_tier_on_spark(hot, tier), list(kernel.POSITIONS), "left_anti")
         return cold.unionByName(hot)
 
     def read(self, topic: str, from_position: Position = EARLIEST, max_entries: int | None = None) -> ReadBatch:
@@ -178,34 +210,24 @@ class TopicReader:
         if view is None:
             return []
         wh, tables = self.warehouse, DeltaTables(self.warehouse)
-        stable = Position(view["max_read_ledger_id"], view["max_read_entry_id"])
+        stable = _stable(view)
         cold_ids = pa.array(sorted(ledger for _, ledger in offloaded_ledgers(wh, topic)), pa.int64())
         # Files are skipped by their ledger statistics; the topic is matched on the rows read (`scan`).
         reached = (pc.field("ledger_id") >= from_position.ledger_id) & (pc.field("ledger_id") <= stable.ledger_id)
+        limit = read_limit(pc.field, from_position, stable)
         mine = pc.field("topic") == topic
-
-        def readable(rows: pa.Table) -> pa.Table:  # at or after the start, within the stable position
-            ledger, entry = rows["ledger_id"], rows["entry_id"]
-            at_or_after = pc.invert(kernel.position_lt(ledger, entry, from_position.ledger_id, from_position.entry_id))
-            return rows.filter(pc.and_(at_or_after, kernel.position_le(ledger, entry, stable.ledger_id, stable.entry_id)))
-
         cold = pa.table({})
-        sent_cold: set[tuple] = set()
+        hot = scan(tables.dataset(COMMITTED_ENTRIES), reached & limit, LEDGER_ENTRY_COLUMNS, mine, ["topic"])
         if len(cold_ids) and wh.exists(OFFLOADED_ENTRIES):
             tier = tables.dataset(OFFLOADED_ENTRIES)
-            cold = readable(scan(tier, reached & kernel.ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
+            cold = scan(tier, reached & limit & kernel.ledger_filter(cold_ids), LEDGER_ENTRY_COLUMNS, mine, ["topic"])
             cold = cold.append_column("tier", pa.array([COLD] * cold.num_rows, pa.string()))
-            # Once retention deleted a ledger, the hot view no longer knows that a retried send
-            # repeats an entry now only in the tier; the tier's copy is the first, keep it (as `frame`).
-            sent = scan(tier, kernel.ledger_filter(cold_ids), SENT_KEY, mine, ["topic"])
-            sent = sent.filter(kernel.has_sequence(sent))
-            sent_cold = set(zip(*(sent[c].to_pylist() for c in SENT_KEY)))
-        hot = readable(scan(tables.dataset(COMMITTED_ENTRIES), reached, LEDGER_ENTRY_COLUMNS, mine, ["topic"]))
-        if len(cold_ids):
             hot = hot.filter(pc.invert(pc.is_in(hot["ledger_id"], cold_ids)))
-        if sent_cold:
-            hot = hot.filter(pa.array([key not in sent_cold  # a key without producer or sequence is never in it
-                                       for key in zip(*(hot[c].to_pylist() for c in SENT_KEY))], pa.bool_()))
+            sent = scan(tier, kernel.ledger_filter(cold_ids), SENT_COLUMNS, mine, ["topic"])
+            at = kernel.with_row_index(hot.select(["ledger_id", "entry_id"]))  # joined narrow: the full rows by mask
+            repeated = at.join(repeated_in_tier(hot, sent).select(["ledger_id", "entry_id"]), ["ledger_id", "entry_id"],
+                               join_type="left semi")
+            hot = hot.filter(pa.array(~kernel.rows_mask(hot.num_rows, repeated["_row"])))
         hot = hot.append_column("tier", pa.array([HOT] * hot.num_rows, pa.string()))
 
         def first(rows: pa.Table) -> list[dict]:  # each tier's first max_entries, ordered in Arrow
