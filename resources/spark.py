@@ -34,8 +34,9 @@ from pydantic import Field
 from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
-from resources.delta_jars import require_delta_jars
+from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
 from txn_engine.core.errors import ConfigurationError
+from txn_engine.core.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,20 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
     merged = {**DEFAULT_SPARK_CONF, **conf_from_environment(), **(conf or {})}
     if master:
         merged["spark.master"] = master
-    if not _brings_own_delta(merged):
+    own_delta = _brings_own_delta(merged)
+    if not own_delta:
         jars = ",".join(str(p) for p in require_delta_jars())
         merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+    storage = WarehouseSettings()  # the environment's warehouse and store, as delta-rs gets them
+    if storage.uses_s3():
+        merged = {**storage.spark_storage_conf(), **merged}  # a Spark setting given explicitly wins
+        if not own_delta:
+            # S3A, and Delta's log entries created by conditional PUTs (`resources/java`): commits
+            # from several hosts, and from delta-rs, cannot overwrite each other.
+            jars = ",".join(str(p) for p in require_s3_jars())
+            merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+            for scheme in ("s3", "s3a"):
+                merged.setdefault(f"spark.delta.logStore.{scheme}.impl", LOG_STORE_CLASS)
     if not is_local_master(merged["spark.master"]):
         _add_cluster_conf(merged)
     return merged
