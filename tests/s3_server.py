@@ -41,6 +41,14 @@ class S3Server:
                 "TXNLAKE_S3_REGION": REGION, "TXNLAKE_S3_ACCESS_KEY_ID": ACCESS_KEY,
                 "TXNLAKE_S3_SECRET_ACCESS_KEY": SECRET_KEY, "TXNLAKE_S3_PATH_STYLE": "true"}
 
+    def settings(self, prefix: str = "warehouse", **extra):
+        """The same warehouse as `env(prefix)` gives, as settings (`extra`: other fields)."""
+        from txn_engine.core.settings import WarehouseSettings
+
+        return WarehouseSettings(warehouse=f"s3://{self.bucket}/{prefix}", s3_endpoint=self.endpoint, s3_region=REGION,
+                                 s3_access_key_id=ACCESS_KEY, s3_secret_access_key=SECRET_KEY, s3_path_style=True,
+                                 **extra)
+
     def client(self):
         import boto3
         from botocore.config import Config

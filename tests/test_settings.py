@@ -75,7 +75,7 @@ def test_the_environment_s_store_reaches_the_spark_session(monkeypatch):
     assert conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "true"
     assert conf["spark.delta.logStore.s3.impl"] == conf["spark.delta.logStore.s3a.impl"] == (
         "io.txnlake.storage.S3ConditionalLogStore")
-    assert "hadoop-aws-3.5.0.jar" in conf["spark.jars"] and "txnlake-s3-logstore-" in conf["spark.jars"]
+    assert "hadoop-aws-3.5.0.jar" in conf["spark.driver.extraClassPath"] and "txnlake-s3-logstore-" in conf["spark.jars"]
     monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.hadoop.fs.s3a.endpoint=http://elsewhere:1")
     assert effective_conf()["spark.hadoop.fs.s3a.endpoint"] == "http://elsewhere:1"  # explicit Spark settings win
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 import boto3
+import pyarrow.fs as pafs
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from txn_engine.core.settings import WarehouseSettings
+from txn_engine.core.settings import WarehouseSettings, is_s3_uri, split_s3_uri
 
 _clients: dict[tuple, object] = {}
 _clients_lock = threading.Lock()
@@ -27,6 +28,21 @@ def s3_client(settings: WarehouseSettings):
                            retries={"max_attempts": 5, "mode": "standard"})
             client = _clients[key] = boto3.session.Session().client("s3", config=style, **config)
         return client
+
+
+def arrow_filesystem(settings: WarehouseSettings, uri: str) -> tuple[pafs.FileSystem, str]:
+    """A pyarrow file system for `uri` and the path in it: the store `settings` name for an S3 URI."""
+    if not is_s3_uri(uri):
+        return pafs.FileSystem.from_uri(uri)
+    endpoint = settings.s3_endpoint
+    fs = pafs.S3FileSystem(
+        access_key=settings.s3_access_key_id, secret_key=settings.s3_secret_access_key,
+        session_token=settings.s3_session_token, region=settings.s3_region,
+        endpoint_override=endpoint.split("://", 1)[1] if endpoint else None,
+        scheme=endpoint.split("://", 1)[0] if endpoint else "https",
+        force_virtual_addressing=not settings.s3_path_style and endpoint is not None)
+    bucket, key = split_s3_uri(uri)
+    return fs, f"{bucket}/{key}"
 
 
 def error_code(exc: ClientError) -> str:

@@ -1,6 +1,7 @@
-"""Locks of a warehouse on S3: leases in the store itself, exclusive across processes that share no
-local folder, taken over once a killed holder's lease expires. A real S3-compatible server on
-loopback (tests/s3_server.py); no Spark."""
+"""A warehouse on S3 without Spark: its locks are leases in the store itself, exclusive across
+processes that share no local folder and taken over once a killed holder's lease expires; the
+Dagster resource's store settings reach delta-rs (a sensor reads the store). A real S3-compatible
+server on loopback (tests/s3_server.py)."""
 
 from __future__ import annotations
 
@@ -35,16 +36,8 @@ def host_env(store, tmp_path: Path, name: str, prefix: str, **extra: str) -> dic
     return {**os.environ, **store.env(prefix), "HOME": str(home), "PYTHONPATH": str(REPO), **extra}
 
 
-def settings_of(store, prefix: str, **extra) -> WarehouseSettings:
-    env = store.env(prefix)
-    return WarehouseSettings(warehouse=env["TXNLAKE_WAREHOUSE"], s3_endpoint=store.endpoint,
-                             s3_access_key_id=env["TXNLAKE_S3_ACCESS_KEY_ID"],
-                             s3_secret_access_key=env["TXNLAKE_S3_SECRET_ACCESS_KEY"],
-                             s3_region=env["TXNLAKE_S3_REGION"], s3_path_style=True, **extra)
-
-
 def test_an_s3_warehouse_keeps_its_locks_in_the_store(store):
-    settings = settings_of(store, "placed")
+    settings = store.settings("placed")
     assert settings.locks_in_store()
     assert settings.lock_path("ledgers") == f"s3://{store.bucket}/placed/_locks/ledgers.lock"
     with writer_lock(settings, "ledgers"):
@@ -68,7 +61,7 @@ def test_two_hosts_incrementing_under_one_lease_lose_no_update(store, tmp_path):
         assert p.returncode == 0, out.decode()[-3000:]
     from tests.lease_holder import read_counter
 
-    assert read_counter(settings_of(store, "count")) == 2 * times
+    assert read_counter(store.settings("count")) == 2 * times
 
 
 @pytest.mark.slow
@@ -83,7 +76,7 @@ def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
         while not ready.exists():
             assert holder.poll() is None and time.monotonic() < deadline, holder.stdout.read().decode()[-3000:]
             time.sleep(0.05)
-        warehouse = Warehouse(lambda: None, settings_of(store, "killed", lock_lease_seconds=lease_s))
+        warehouse = Warehouse(lambda: None, store.settings("killed", lock_lease_seconds=lease_s))
         # Renewed while its holder lives: refused however long we wait past one lease.
         time.sleep(lease_s * 1.5)
         with pytest.raises(EngineLockedError, match=r"another transaction engine is running on this warehouse \(pid "):
@@ -105,6 +98,34 @@ def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
         if holder.poll() is None:
             os.killpg(holder.pid, signal.SIGKILL)
             holder.wait()
+
+
+def test_the_snapshot_sensor_reads_an_s3_warehouse_by_the_resource_s_settings(store, monkeypatch):
+    import pyarrow as pa
+    from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
+    from deltalake import write_deltalake
+
+    from assets.snapshots import snapshot_trigger_sensor
+    from resources.warehouse import WarehouseResource
+
+    for key in store.env():  # nothing from the environment: the resource alone names the store
+        monkeypatch.delenv(key, raising=False)
+    settings = store.settings("sensed")
+    resources = {"warehouse": WarehouseResource(
+        root=settings.warehouse, s3_endpoint=store.endpoint, s3_region=settings.s3_region, s3_path_style=True,
+        s3_access_key_id=settings.s3_access_key_id, s3_secret_access_key=settings.s3_secret_access_key)}
+    with DagsterInstance.ephemeral() as instance:
+        def tick(cursor=None):
+            context = build_sensor_context(instance=instance, resources=resources, cursor=cursor)
+            return context, snapshot_trigger_sensor(context)
+
+        assert isinstance(tick()[1], SkipReason)
+        path = settings.table_path("ledger_entries")
+        for _ in range(2):
+            write_deltalake(path, pa.table({"topic": ["t"]}), mode="append", storage_options=settings.storage_options(path))
+        context, request = tick()
+        assert isinstance(request, RunRequest) and request.run_key == "ledger_entries-v1"
+        assert isinstance(tick(context.cursor)[1], SkipReason)
 
 
 def test_a_local_warehouse_keeps_flock_in_its_folder(tmp_path):
