@@ -140,9 +140,9 @@ def _add_s3_jars(merged: dict[str, str]) -> None:
     """S3A, and Delta's log entries created by conditional PUTs (`resources/java`): commits from
     several hosts, and from delta-rs, cannot overwrite each other.
 
-    The connector (hundreds of MiB, the AWS SDK bundle) goes on the JVMs' class path where they run
-    on this host (the driver; the executors of a master on loopback), not by `spark.jars`, which
-    would copy it into every executor of every application. Executors elsewhere fetch it that way.
+    The connector (the AWS SDK bundle is by far the largest jar) goes on the JVMs' class path where
+    they run on this host (the driver; the executors of a master on loopback), not by `spark.jars`,
+    which would copy it into every executor of every application; executors elsewhere fetch it so.
     The log store extends Delta's, so it is loaded beside Delta, by `spark.jars`."""
     *connector, log_store = (str(p) for p in require_s3_jars())
     here = is_local_master(merged["spark.master"]) or is_loopback_master(merged["spark.master"])

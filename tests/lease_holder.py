@@ -3,6 +3,7 @@
 Usage: python -m tests.lease_holder count NAME TIMES   increment the counter object TIMES times, each
                                                        read-modify-write under the lease NAME
        python -m tests.lease_holder hold NAME READY    take the lease NAME, touch READY, hold it until killed
+       python -m tests.lease_holder hold NAME READY S  the same, releasing it after S seconds
 The store and the warehouse come from the environment (TXNLAKE_WAREHOUSE, TXNLAKE_S3_*).
 """
 
@@ -45,7 +46,7 @@ def main() -> None:
     elif action == "hold":
         with writer_lock(settings, name, timeout_s=30):
             Path(sys.argv[3]).touch()
-            time.sleep(3600)
+            time.sleep(float(sys.argv[4]) if len(sys.argv) > 4 else 3600)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,28 @@ def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
             holder.wait()
 
 
+@pytest.mark.slow
+def test_a_holder_stalled_past_its_lease_learns_it_lost_it(store, tmp_path):
+    lease_s = 2.0
+    ready = tmp_path / "ready"
+    env = host_env(store, tmp_path, "host-a", "stalled", TXNLAKE_LOCK_LEASE_SECONDS=str(lease_s))
+    holder = subprocess.Popen([sys.executable, "-m", "tests.lease_holder", "hold", "ledgers", str(ready), "4"], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert holder.poll() is None and time.monotonic() < deadline, holder.stdout.read().decode()[-3000:]
+        time.sleep(0.05)
+    holder.send_signal(signal.SIGSTOP)  # a stall: a long pause, a partition
+    try:
+        with writer_lock(store.settings("stalled", lock_lease_seconds=lease_s), "ledgers", timeout_s=lease_s + 5):
+            holder.send_signal(signal.SIGCONT)
+            out, _ = holder.communicate(timeout=60)
+    finally:
+        holder.send_signal(signal.SIGCONT)
+    assert holder.returncode == 1
+    assert "LeaseLostError: the lease s3://" in out.decode() and "expired while held" in out.decode(), out.decode()[-3000:]
+
+
 def test_the_snapshot_sensor_reads_an_s3_warehouse_by_the_resource_s_settings(store, monkeypatch):
     import pyarrow as pa
     from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context

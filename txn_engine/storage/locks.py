@@ -1,20 +1,13 @@
-"""Writer locks across processes and hosts.
+"""Writer locks across processes and hosts: an flock where the locks live in a local folder, a lease
+where they live in an S3 store (the default for an S3 warehouse).
 
-Every txnlake writer of a table holds that table's lock from reading the snapshot it decides on
-until its commit is durable; the transaction buffer, the snapshots and the engine have locks of
-their own. Where the warehouse is local, a lock is an `flock` on `<lock dir>/<name>.lock`:
-it conflicts between separate open file descriptions (so it also serializes threads of one
-process) and goes with its process, however that ends.
-
-Where the locks live in an S3 store (`WarehouseSettings.locks_in_store`: the default for an S3
-warehouse), a lock is a lease: an object `<lock root>/<name>.lock` created with a conditional PUT
-(If-None-Match), renewed by its holder with If-Match on the version it wrote, released by
-marking it expired, and taken over by a waiter (If-Match on the version it read) once its expiry
-has passed: a crashed host blocks the others for one lease at most. Expiry is the holder's wall
-clock plus the lease, so hosts' clocks must agree to well within a lease (NTP does). A lease that
-expires under a stalled holder can be taken over while the holder still works; Delta's commits
-stay atomic across hosts all the same (conditional PUTs of the log's entries), and the holder
-learns at release that it lost the lease (`LeaseLostError`).
+A writer of a table holds its lock from the snapshot it decides on to its durable commit; the
+buffer, the snapshots and the engine have locks of their own. An flock goes with its process. A
+lease is an object `<lock root>/<name>.lock` taken with a conditional PUT (If-None-Match),
+renewed by its holder (If-Match), released by marking it expired, and taken over by a waiter once
+expired: a crashed host blocks the others for one lease at most. Expiry is by wall clock (hosts
+keep theirs in sync); a holder that stalled past its lease learns it at release (LeaseLostError),
+its commits atomic all the same (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -103,7 +96,7 @@ class Lease:
     def _body(self, expires_at: float | None = None) -> bytes:
         expiry = time.time() + self.ttl_s if expires_at is None else expires_at
         return json.dumps({"owner": self.owner, "expires_at": expiry,
-                           "since": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}).encode()
+                           "written_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}).encode()
 
     def _put(self, **condition: str) -> bool:
         """A conditional PUT of a fresh lease; False when the condition failed."""
@@ -166,22 +159,24 @@ class Lease:
                 log.warning("could not renew the lease %s: %s", self.uri, exc)
 
     def release(self) -> None:
-        """Stop renewing and mark the lease expired (If-Match: only if still ours)."""
+        """Stop renewing and mark the lease expired (If-Match: only if still ours); LeaseLostError
+        when another host took it over meanwhile."""
         self._stop.set()
         if self._renewer is not None:
             self._renewer.join()
             self._renewer = None
-        if self._lost.is_set():
-            raise LeaseLostError(
-                f"the lease {self.uri} expired while held (this process stalled for over {self.ttl_s:.0f}s) and "
-                "another host took it over; what this process wrote is committed, but another writer may have "
-                "worked alongside it. Re-run the command: every txnlake write is idempotent.")
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self._body(expires_at=0.0),
-                                   IfMatch=self._etag)
-        except ClientError as exc:
-            if not (precondition_failed(exc) or not_found(exc)):
-                raise
+        if not self._lost.is_set():
+            try:
+                self.client.put_object(Bucket=self.bucket, Key=self.key, Body=self._body(expires_at=0.0),
+                                       IfMatch=self._etag)
+                return
+            except ClientError as exc:
+                if not (precondition_failed(exc) or not_found(exc)):
+                    raise
+        raise LeaseLostError(
+            f"the lease {self.uri} expired while held (this process stalled for over {self.ttl_s:.0f}s) and "
+            "another host took it over; what this process wrote is committed, but another writer may have "
+            "worked alongside it. Re-run the command: every txnlake write is idempotent.")
 
 
 @contextmanager

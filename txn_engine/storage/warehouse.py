@@ -63,13 +63,14 @@ class Warehouse:
         if callable(self._spark):
             self._spark = self._spark()
         if not self._storage_applied:
+            self._storage_applied = True
             # The store's settings of this warehouse (they may come from the Dagster resource, not the
             # environment the session started from): Hadoop's configuration is read per file system
             # and shipped with each job, so setting it now reaches the executors too.
-            hadoop = self._spark.sparkContext._jsc.hadoopConfiguration()
-            for key, value in self.settings.spark_storage_conf().items():
-                hadoop.set(key.removeprefix("spark.hadoop."), value)
-            self._storage_applied = True
+            if storage := self.settings.spark_storage_conf():
+                hadoop = self._spark.sparkContext._jsc.hadoopConfiguration()
+                for key, value in storage.items():
+                    hadoop.set(key.removeprefix("spark.hadoop."), value)
         return self._spark
 
     def path(self, table: str) -> str:
