@@ -23,25 +23,25 @@ from txn_engine.storage.warehouse import Warehouse
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def s3_store(tmp_path_factory):
     with s3_server(tmp_path_factory.mktemp("s3")) as server:
         yield server
 
 
-def host_env(store, tmp_path: Path, name: str, prefix: str, **extra: str) -> dict[str, str]:
+def host_env(s3_store, tmp_path: Path, name: str, prefix: str, **extra: str) -> dict[str, str]:
     """The environment of a process standing for another host: a HOME of its own, so no local
     folder (lock or cache) is shared with the others; only the store is."""
     home = tmp_path / name
     home.mkdir(exist_ok=True)
-    return {**os.environ, **store.env(prefix), "HOME": str(home), "PYTHONPATH": str(REPO), **extra}
+    return {**os.environ, **s3_store.env(prefix), "HOME": str(home), "PYTHONPATH": str(REPO), **extra}
 
 
-def test_an_s3_warehouse_keeps_its_locks_in_the_store(store):
-    settings = store.settings("placed")
+def test_an_s3_warehouse_keeps_its_locks_in_the_store(s3_store):
+    settings = s3_store.settings("placed")
     assert settings.locks_in_store()
-    assert settings.lock_path("ledgers") == f"s3://{store.bucket}/placed/_locks/ledgers.lock"
+    assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_locks/ledgers.lock"
     with writer_lock(settings, "ledgers"):
-        assert f"placed/_locks/ledgers.lock" in store.keys("placed/_locks/")
+        assert f"placed/_locks/ledgers.lock" in s3_store.keys("placed/_locks/")
         with pytest.raises(TableLockTimeout, match=r"s3://.*ledgers\.lock; another txnlake process \(pid \d+ on "):
             with writer_lock(settings, "ledgers", timeout_s=0.3):
                 pass
@@ -50,10 +50,10 @@ def test_an_s3_warehouse_keeps_its_locks_in_the_store(store):
 
 
 @pytest.mark.slow
-def test_two_hosts_incrementing_under_one_lease_lose_no_update(store, tmp_path):
+def test_two_hosts_incrementing_under_one_lease_lose_no_update(s3_store, tmp_path):
     times = 25
     procs = [subprocess.Popen([sys.executable, "-m", "tests.lease_holder", "count", "counter", str(times)],
-                              env=host_env(store, tmp_path, name, "count"), cwd=REPO,
+                              env=host_env(s3_store, tmp_path, name, "count"), cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for name in ("host-a", "host-b")]
     for p in procs:
@@ -61,14 +61,14 @@ def test_two_hosts_incrementing_under_one_lease_lose_no_update(store, tmp_path):
         assert p.returncode == 0, out.decode()[-3000:]
     from tests.lease_holder import read_counter
 
-    assert read_counter(store.settings("count")) == 2 * times
+    assert read_counter(s3_store.settings("count")) == 2 * times
 
 
 @pytest.mark.slow
-def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
+def test_a_killed_holder_blocks_others_for_one_lease_at_most(s3_store, tmp_path):
     lease_s = 3.0
     ready = tmp_path / "ready"
-    env = host_env(store, tmp_path, "host-a", "killed", TXNLAKE_LOCK_LEASE_SECONDS=str(lease_s))
+    env = host_env(s3_store, tmp_path, "host-a", "killed", TXNLAKE_LOCK_LEASE_SECONDS=str(lease_s))
     holder = subprocess.Popen([sys.executable, "-m", "tests.lease_holder", "hold", "engine", str(ready)], env=env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -76,7 +76,7 @@ def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
         while not ready.exists():
             assert holder.poll() is None and time.monotonic() < deadline, holder.stdout.read().decode()[-3000:]
             time.sleep(0.05)
-        warehouse = Warehouse(lambda: None, store.settings("killed", lock_lease_seconds=lease_s))
+        warehouse = Warehouse(lambda: None, s3_store.settings("killed", lock_lease_seconds=lease_s))
         # Renewed while its holder lives: refused however long we wait past one lease.
         time.sleep(lease_s * 1.5)
         with pytest.raises(EngineLockedError, match=r"another transaction engine is running on this warehouse \(pid "):
@@ -101,10 +101,10 @@ def test_a_killed_holder_blocks_others_for_one_lease_at_most(store, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_holder_stalled_past_its_lease_learns_it_lost_it(store, tmp_path):
+def test_a_holder_stalled_past_its_lease_learns_it_lost_it(s3_store, tmp_path):
     lease_s = 2.0
     ready = tmp_path / "ready"
-    env = host_env(store, tmp_path, "host-a", "stalled", TXNLAKE_LOCK_LEASE_SECONDS=str(lease_s))
+    env = host_env(s3_store, tmp_path, "host-a", "stalled", TXNLAKE_LOCK_LEASE_SECONDS=str(lease_s))
     holder = subprocess.Popen([sys.executable, "-m", "tests.lease_holder", "hold", "ledgers", str(ready), "4"], env=env,
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -113,7 +113,7 @@ def test_a_holder_stalled_past_its_lease_learns_it_lost_it(store, tmp_path):
         time.sleep(0.05)
     holder.send_signal(signal.SIGSTOP)  # a stall: a long pause, a partition
     try:
-        with writer_lock(store.settings("stalled", lock_lease_seconds=lease_s), "ledgers", timeout_s=lease_s + 5):
+        with writer_lock(s3_store.settings("stalled", lock_lease_seconds=lease_s), "ledgers", timeout_s=lease_s + 5):
             holder.send_signal(signal.SIGCONT)
             out, _ = holder.communicate(timeout=60)
     finally:
@@ -122,7 +122,7 @@ def test_a_holder_stalled_past_its_lease_learns_it_lost_it(store, tmp_path):
     assert "LeaseLostError: the lease s3://" in out.decode() and "expired while held" in out.decode(), out.decode()[-3000:]
 
 
-def test_the_snapshot_sensor_reads_an_s3_warehouse_by_the_resource_s_settings(store, monkeypatch):
+def test_the_snapshot_sensor_reads_an_s3_warehouse_by_the_resource_s_settings(s3_store, monkeypatch):
     import pyarrow as pa
     from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context
     from deltalake import write_deltalake
@@ -130,11 +130,11 @@ def test_the_snapshot_sensor_reads_an_s3_warehouse_by_the_resource_s_settings(st
     from assets.snapshots import snapshot_trigger_sensor
     from resources.warehouse import WarehouseResource
 
-    for key in store.env():  # nothing from the environment: the resource alone names the store
+    for key in s3_store.env():  # nothing from the environment: the resource alone names the store
         monkeypatch.delenv(key, raising=False)
-    settings = store.settings("sensed")
+    settings = s3_store.settings("sensed")
     resources = {"warehouse": WarehouseResource(
-        root=settings.warehouse, s3_endpoint=store.endpoint, s3_region=settings.s3_region, s3_path_style=True,
+        root=settings.warehouse, s3_endpoint=s3_store.endpoint, s3_region=settings.s3_region, s3_path_style=True,
         s3_access_key_id=settings.s3_access_key_id, s3_secret_access_key=settings.s3_secret_access_key)}
     with DagsterInstance.ephemeral() as instance:
         def tick(cursor=None):

@@ -54,7 +54,7 @@ def spark_cluster(tmp_path_factory) -> StandaloneCluster:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> S3Server:
+def s3_store(tmp_path_factory) -> S3Server:
     with s3_server(tmp_path_factory.mktemp("s3")) as server:
         yield server
 
@@ -135,12 +135,12 @@ def _sortable(value) -> tuple:
     return (False, repr(value) if isinstance(value, (list, dict)) else value)
 
 
-def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster, store, tmp_path):
+def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster, s3_store, tmp_path):
     log = tmp_path / "log.jsonl"
     txnlake(["generate", "--entries", "3000", "--seed", "11", str(log)], cli_env({"DAGSTER_HOME": str(tmp_path)}))
     topic = min(json.loads(line)["topic"] for line in log.read_text().splitlines())
     # The cluster's input on the store as well: executors on other hosts could not read a local path.
-    store.client().upload_file(str(log), store.bucket, "inputs/log.jsonl")
+    s3_store.client().upload_file(str(log), s3_store.bucket, "inputs/log.jsonl")
 
     def apps() -> dict[str, dict]:
         return {a["id"]: a for a in spark_cluster.state()["completedapps"]}
@@ -150,8 +150,8 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     assert apps() == before, "local mode must not touch the cluster"
     # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
     # workers), not in the driver, which this small log would otherwise take.
-    cluster_read = run_cli_end_to_end(tmp_path / "cluster", f"s3://{store.bucket}/inputs/log.jsonl", topic, {
-        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **store.env("warehouse")})
+    cluster_read = run_cli_end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
+        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **s3_store.env("warehouse")})
     assert computed_by(tmp_path / "local") == {"driver"} and computed_by(tmp_path / "cluster") == {"spark"}
 
     # The cluster ran the work: each Spark-using command was an application whose executors ran on
@@ -162,13 +162,13 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     for work_dir in spark_cluster.worker_dirs:
         assert {p.name for p in work_dir.glob("app-*")} & {a["id"] for a in ran}, f"no executor of the run in {work_dir}"
 
-    local_tables, cluster_tables = delta_tables(tmp_path / "local" / "warehouse"), s3_delta_tables(store, "warehouse")
+    local_tables, cluster_tables = delta_tables(tmp_path / "local" / "warehouse"), s3_delta_tables(s3_store, "warehouse")
     assert set(cluster_tables) == set(local_tables)
     assert {"committed_entries", "stable_positions", "cold/offloaded_entries", "recovered_buffer_state"} <= set(local_tables)
     skipped_seen: set[str] = set()
     for name, path in local_tables.items():
-        local_schema, local_rows = comparable_rows(path, skipped_seen, store)
-        cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen, store)
+        local_schema, local_rows = comparable_rows(path, skipped_seen, s3_store)
+        cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen, s3_store)
         # Names and types, not nullability: the buffer's Spark path writes its tables' columns
         # nullable where the driver's Arrow path keeps the schema's NOT NULL (same rows).
         assert [(f.name, f.type) for f in cluster_schema] == [(f.name, f.type) for f in local_schema], f"{name}: schemas differ"
@@ -180,7 +180,7 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     assert cluster_read == local_read
     assert cluster_read.splitlines()[-1].startswith("-- 50 entries"), cluster_read[-500:]
     # Every lock of the cluster's run was a lease in the store, none a file on this host.
-    leases = {key.rsplit("/", 1)[1] for key in store.keys("warehouse/_locks/")}
+    leases = {key.rsplit("/", 1)[1] for key in s3_store.keys("warehouse/_locks/")}
     assert {"ledger_entries.lock", "transaction_buffer.lock", "txn_snapshot_writer.lock"} <= leases, leases
 
 
