@@ -194,11 +194,12 @@ def delta_version_on_disk(table_path: str) -> int | None:
         description="Runs take_snapshots when ledger_entries has new commits (the job applies the triggers).")
 def snapshot_trigger_sensor(context: SensorEvaluationContext, warehouse: WarehouseResource):
     # The warehouse resource the Definitions configure, as the runs get it: the sensor watches the warehouse
-    # the runs write. Read from the log's file names: a tick starts no JVM.
+    # the runs write. Read from the log's file names, or on a store by delta-rs: a tick starts no JVM.
     settings = warehouse.settings()
-    if not settings.is_local():
-        return SkipReason("the warehouse is not local; snapshot_schedule drives snapshots there")
-    version = delta_version_on_disk(settings.table_path(LEDGER_ENTRIES))
+    if settings.is_local():
+        version = delta_version_on_disk(settings.table_path(LEDGER_ENTRIES))
+    else:
+        version = warehouse.open().version(LEDGER_ENTRIES)
     if version is None:
         return SkipReason("ledger_entries does not exist yet")
     if context.cursor == str(version):

@@ -1,17 +1,27 @@
-"""Delta Lake's JVM jars: fetched once from Maven Central into a cache folder, then only checked.
+"""The JVM jars: fetched once from Maven Central into a cache folder, then only checked.
 
-`python -m resources.delta_jars fetch` (what `make setup` runs) downloads what is missing and
-verifies each jar against Maven Central's SHA-1. Sessions never download: they call
-`require_delta_jars()`, which fails with a message naming `make setup`.
+Delta Lake's, and for a warehouse on S3 Hadoop's S3A connector (`hadoop-aws` of the Hadoop that
+pyspark is built on, with the AWS SDK bundle it needs) plus txnlake's Delta log store for S3
+(`resources/java`: commits with conditional PUTs, safe across hosts), compiled once from its
+source with `javac`. `python -m resources.delta_jars fetch` (what `make setup` runs) downloads
+what is missing, verifies each jar against Maven Central's SHA-1, and builds the log store.
+Sessions never download: they call `require_delta_jars()` / `require_s3_jars()`, which fail with
+a message naming `make setup`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import urllib.request
+import zipfile
 from pathlib import Path
+
+import pyspark
 
 from txn_engine.core.errors import DeltaJarsMissingError
 
@@ -22,6 +32,16 @@ DELTA_ARTIFACTS = (
     ("io.delta", "delta-spark_4.2_2.13", DELTA_VERSION),
     ("io.delta", "delta-storage", DELTA_VERSION),
 )
+# S3A for pyspark 4.2's Hadoop 3.5.0 client, and what hadoop-aws 3.5.0 declares it needs at run time
+# (hadoop-project 3.5.0 pins the SDK at 2.35.4): the same versions, or S3A fails at class loading.
+HADOOP_VERSION = "3.5.0"
+S3_ARTIFACTS = (
+    ("org.apache.hadoop", "hadoop-aws", HADOOP_VERSION),
+    ("software.amazon.awssdk", "bundle", "2.35.4"),
+    ("software.amazon.s3.analyticsaccelerator", "analyticsaccelerator-s3", "1.3.1"),
+)
+LOG_STORE_SOURCE = Path(__file__).parent / "java" / "io" / "txnlake" / "storage" / "S3ConditionalLogStore.java"
+LOG_STORE_CLASS = "io.txnlake.storage.S3ConditionalLogStore"
 
 
 def jar_cache_dir() -> Path:
@@ -38,13 +58,21 @@ def delta_jar_paths() -> list[Path]:
     return [jar_cache_dir() / _jar_name(a, v) for _, a, v in DELTA_ARTIFACTS]
 
 
-def require_delta_jars() -> list[Path]:
-    """The cached jar paths; raises DeltaJarsMissingError naming what is missing and what to do."""
-    paths = delta_jar_paths()
+def log_store_jar_path() -> Path:
+    """The compiled log store, named by its source's hash: an edited source is built anew."""
+    digest = hashlib.sha256(LOG_STORE_SOURCE.read_bytes()).hexdigest()[:12]
+    return jar_cache_dir() / f"txnlake-s3-logstore-{digest}.jar"
+
+
+def s3_jar_paths() -> list[Path]:
+    return [jar_cache_dir() / _jar_name(a, v) for _, a, v in S3_ARTIFACTS] + [log_store_jar_path()]
+
+
+def _require(paths: list[Path], what: str) -> list[Path]:
     missing = [p for p in paths if not p.is_file() or p.stat().st_size == 0]
     if missing:
         raise DeltaJarsMissingError(
-            "Delta Lake jars are missing from the cache: "
+            f"{what} are missing from the cache: "
             + ", ".join(str(p) for p in missing)
             + ". Run `make setup` (it fetches them once from Maven Central), or point "
             "TXNLAKE_JAR_CACHE at a folder that holds them."
@@ -52,45 +80,104 @@ def require_delta_jars() -> list[Path]:
     return paths
 
 
-def _download(url: str) -> bytes:
+def require_delta_jars() -> list[Path]:
+    """The cached jar paths; raises DeltaJarsMissingError naming what is missing and what to do."""
+    return _require(delta_jar_paths(), "Delta Lake jars")
+
+
+def require_s3_jars() -> list[Path]:
+    """The S3A connector's jars and the log store's, for a warehouse on S3; DeltaJarsMissingError
+    naming what is missing otherwise."""
+    return _require(s3_jar_paths(), "The S3 connector's jars (hadoop-aws, the AWS SDK bundle, txnlake's log store)")
+
+
+def _download(url: str, target: Path | None = None) -> bytes | str:
+    """The body of `url`; with `target`, streamed into that file instead (the SDK bundle is
+    hundreds of MiB), and its SHA-1 returned."""
     with urllib.request.urlopen(url, timeout=120) as response:
-        return response.read()
+        if target is None:
+            return response.read()
+        digest = hashlib.sha1()
+        with open(target, "wb") as out:
+            while chunk := response.read(1 << 20):
+                digest.update(chunk)
+                out.write(chunk)
+        return digest.hexdigest()
 
 
-def fetch_delta_jars() -> list[Path]:
-    """Download the missing jars, verified by SHA-1; idempotent."""
+def _fetch(artifacts: tuple[tuple[str, str, str], ...]) -> None:
     cache = jar_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    for group, artifact, version in DELTA_ARTIFACTS:
+    for group, artifact, version in artifacts:
         target = cache / _jar_name(artifact, version)
         if target.is_file() and target.stat().st_size > 0:
             continue
         base = f"{MAVEN_CENTRAL}/{group.replace('.', '/')}/{artifact}/{version}/{target.name}"
         print(f"fetching {base}", flush=True)
+        partial = target.with_suffix(f".jar.{os.getpid()}.part")
         try:
-            body = _download(base)
+            actual = _download(base, partial)
             expected = _download(base + ".sha1").decode().split()[0].strip()
         except OSError as exc:
+            partial.unlink(missing_ok=True)
             raise DeltaJarsMissingError(
                 f"could not download {base}: {exc}. Check that Maven Central is reachable, "
                 "then run `make setup` again."
             ) from exc
-        actual = hashlib.sha1(body).hexdigest()
         if actual != expected:
+            partial.unlink(missing_ok=True)
             raise DeltaJarsMissingError(
                 f"{target.name} from Maven Central has SHA-1 {actual}, expected {expected}; "
                 "nothing was cached. Run `make setup` again."
             )
-        partial = target.with_suffix(".jar.part")
-        partial.write_bytes(body)
         partial.replace(target)  # atomic: a half-written jar never looks cached
-    return require_delta_jars()
+
+
+def _javac() -> str:
+    java_home = os.environ.get("JAVA_HOME")
+    found = str(Path(java_home) / "bin" / "javac") if java_home and (Path(java_home) / "bin" / "javac").is_file() \
+        else shutil.which("javac")
+    if not found:
+        raise DeltaJarsMissingError(
+            "javac is not installed: `make setup` compiles txnlake's Delta log store for S3 once with it. Install a "
+            "JDK 17+ (e.g. the openjdk-17-jdk-headless package) or set JAVA_HOME to one, then run `make setup` again.")
+    return found
+
+
+def build_log_store() -> Path:
+    """Compile the log store (`resources/java`) against the cached Delta and S3A jars and pyspark's
+    Hadoop client, into a jar in the cache; idempotent."""
+    target = log_store_jar_path()
+    if target.is_file() and target.stat().st_size > 0:
+        return target
+    hadoop_client = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / _jar_name("hadoop-aws", HADOOP_VERSION)]
+    print(f"building {target.name}", flush=True)
+    with tempfile.TemporaryDirectory() as build:
+        done = subprocess.run([_javac(), "--release", "17", "-nowarn", "-cp", os.pathsep.join(map(str, classpath)),
+                               "-d", build, str(LOG_STORE_SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise DeltaJarsMissingError(f"compiling {LOG_STORE_SOURCE.name} failed:\n{done.stderr.strip()}")
+        partial = target.with_suffix(f".jar.{os.getpid()}.part")
+        with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as jar:
+            jar.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: txnlake\n")
+            for path in sorted(Path(build).rglob("*.class")):
+                jar.write(path, path.relative_to(build).as_posix())
+        partial.replace(target)
+    return target
+
+
+def fetch_delta_jars() -> list[Path]:
+    """Download the missing jars, verified by SHA-1, and build the log store; idempotent."""
+    _fetch(DELTA_ARTIFACTS + S3_ARTIFACTS)
+    build_log_store()
+    return require_delta_jars() + require_s3_jars()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv  # `fetch` downloads; `check` (or nothing) only checks
     try:
-        paths = fetch_delta_jars() if args[:1] == ["fetch"] else require_delta_jars()
+        paths = fetch_delta_jars() if args[:1] == ["fetch"] else require_delta_jars() + require_s3_jars()
     except DeltaJarsMissingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -34,8 +34,9 @@ from pydantic import Field
 from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
-from resources.delta_jars import require_delta_jars
+from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
 from txn_engine.core.errors import ConfigurationError
+from txn_engine.core.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,37 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
     merged = {**DEFAULT_SPARK_CONF, **conf_from_environment(), **(conf or {})}
     if master:
         merged["spark.master"] = master
-    if not _brings_own_delta(merged):
+    own_delta = _brings_own_delta(merged)
+    if not own_delta:
         jars = ",".join(str(p) for p in require_delta_jars())
         merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+    storage = WarehouseSettings()  # the environment's warehouse and store, as delta-rs gets them
+    if storage.uses_s3():
+        merged = {**storage.spark_storage_conf(), **merged}  # a Spark setting given explicitly wins
+        if not own_delta:
+            _add_s3_jars(merged)
     if not is_local_master(merged["spark.master"]):
         _add_cluster_conf(merged)
     return merged
+
+
+def _add_s3_jars(merged: dict[str, str]) -> None:
+    """S3A, and Delta's log entries created by conditional PUTs (`resources/java`): commits from
+    several hosts, and from delta-rs, cannot overwrite each other.
+
+    The connector (the AWS SDK bundle is by far the largest jar) goes on the JVMs' class path where
+    they run on this host (the driver; the executors of a master on loopback), not by `spark.jars`,
+    which would copy it into every executor of every application; executors elsewhere fetch it so.
+    The log store extends Delta's, so it is loaded beside Delta, by `spark.jars`."""
+    *connector, log_store = (str(p) for p in require_s3_jars())
+    here = is_local_master(merged["spark.master"]) or is_loopback_master(merged["spark.master"])
+    by_jars = [log_store] + ([] if here else connector)
+    merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), *by_jars]))
+    for role in ("driver", "executor") if here else ("driver",):
+        key = f"spark.{role}.extraClassPath"
+        merged[key] = os.pathsep.join(filter(None, [merged.get(key, ""), *connector]))
+    for scheme in ("s3", "s3a"):
+        merged.setdefault(f"spark.delta.logStore.{scheme}.impl", LOG_STORE_CLASS)
 
 
 def is_local_master(master: str) -> bool:

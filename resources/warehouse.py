@@ -16,6 +16,12 @@ class WarehouseResource(ConfigurableResource):
     root: str | None = Field(default=None, description="Warehouse root; default TXNLAKE_WAREHOUSE or ./warehouse.")
     cold_tier: str | None = Field(default=None, description="Offload tier root; default <root>/cold.")
     lock_dir: str | None = Field(default=None, description="Writer lock folder.")
+    s3_endpoint: str | None = Field(default=None, description="An S3-compatible store's http(s)://host[:port].")
+    s3_region: str | None = Field(default=None, description="The store's region.")
+    s3_access_key_id: str | None = Field(default=None, description="The store's access key id.")
+    s3_secret_access_key: str | None = Field(default=None, description="The store's secret access key.")
+    s3_session_token: str | None = Field(default=None, description="A session token of temporary credentials.")
+    s3_path_style: bool | None = Field(default=None, description="Path-style bucket addressing.")
     compute: str | None = Field(
         default=None, description="Where transaction-buffer runs compute: auto, driver or spark; default TXNLAKE_COMPUTE or auto."
     )
@@ -24,7 +30,9 @@ class WarehouseResource(ConfigurableResource):
         overrides = {
             k: v
             for k, v in {"warehouse": self.root, "cold_tier": self.cold_tier, "lock_dir": self.lock_dir,
-                         "compute": self.compute}.items()
+                         "compute": self.compute, "s3_endpoint": self.s3_endpoint, "s3_region": self.s3_region,
+                         "s3_access_key_id": self.s3_access_key_id, "s3_secret_access_key": self.s3_secret_access_key,
+                         "s3_session_token": self.s3_session_token, "s3_path_style": self.s3_path_style}.items()
             if v is not None
         }
         return WarehouseSettings(**overrides)

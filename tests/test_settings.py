@@ -21,7 +21,7 @@ def test_default_root_is_warehouse_under_cwd(monkeypatch, tmp_path):
     assert settings.root == str(tmp_path / "warehouse")
     assert settings.table_path("ledger_entries") == str(tmp_path / "warehouse" / "ledger_entries")
     assert settings.cold_table_path("offloaded_entries") == str(tmp_path / "warehouse" / "cold" / "offloaded_entries")
-    assert settings.lock_path("ledgers") == tmp_path / "warehouse" / "_locks" / "ledgers.lock"
+    assert settings.lock_path("ledgers") == str(tmp_path / "warehouse" / "_locks" / "ledgers.lock")
 
 
 def test_environment_overrides_root_and_cold_tier(monkeypatch, tmp_path):
@@ -44,8 +44,50 @@ def test_any_uri_spark_can_write(root, table_path, local):
     settings = WarehouseSettings(warehouse=root)
     assert settings.table_path("ledgers") == table_path
     assert settings.is_local() is local
-    if not local:  # a lock on this machine cannot live in a bucket
-        assert settings.lock_path("ledgers") == Path.home() / ".cache" / "txnlake" / "locks" / "ledgers.lock"
+    if root.startswith("s3a:"):  # leases in the store itself (tests/test_s3_leases.py)
+        assert settings.lock_path("ledgers") == "s3a://bucket/lake/_locks/ledgers.lock"
+    elif not local:  # no lease there: a lock on this machine
+        assert settings.lock_path("ledgers") == str(Path.home() / ".cache" / "txnlake" / "locks" / "ledgers.lock")
+
+
+def test_one_store_setting_reaches_spark_and_delta_rs():
+    settings = WarehouseSettings(warehouse="s3://lake/wh", s3_endpoint="http://127.0.0.1:9000/", s3_region="eu-west-1",
+                                 s3_access_key_id="id", s3_secret_access_key="secret", s3_path_style=True)
+    assert settings.storage_options("s3://lake/wh/ledgers") == {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000", "AWS_REGION": "eu-west-1", "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "secret", "AWS_ALLOW_HTTP": "true", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": "false"}
+    assert settings.storage_options("/local/table") is None
+    conf = settings.spark_storage_conf()
+    assert conf["spark.hadoop.fs.s3.impl"] == "org.apache.hadoop.fs.s3a.S3AFileSystem"
+    assert conf["spark.hadoop.fs.s3a.endpoint"] == "http://127.0.0.1:9000"
+    assert conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "false"
+    assert conf["spark.hadoop.fs.s3a.path.style.access"] == "true"
+    assert conf["spark.hadoop.fs.s3a.endpoint.region"] == "eu-west-1"
+    assert (conf["spark.hadoop.fs.s3a.access.key"], conf["spark.hadoop.fs.s3a.secret.key"]) == ("id", "secret")
+    assert WarehouseSettings(warehouse="/tmp/wh").spark_storage_conf() == {}
+
+
+def test_the_environment_s_store_reaches_the_spark_session(monkeypatch):
+    monkeypatch.setenv("TXNLAKE_WAREHOUSE", "s3://lake/wh")
+    monkeypatch.setenv("TXNLAKE_S3_ENDPOINT", "https://store.example:9443")
+    conf = effective_conf()
+    assert conf["spark.hadoop.fs.s3a.endpoint"] == "https://store.example:9443"
+    assert conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] == "true"
+    assert conf["spark.delta.logStore.s3.impl"] == conf["spark.delta.logStore.s3a.impl"] == (
+        "io.txnlake.storage.S3ConditionalLogStore")
+    assert "hadoop-aws-3.5.0.jar" in conf["spark.driver.extraClassPath"] and "txnlake-s3-logstore-" in conf["spark.jars"]
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.hadoop.fs.s3a.endpoint=http://elsewhere:1")
+    assert effective_conf()["spark.hadoop.fs.s3a.endpoint"] == "http://elsewhere:1"  # explicit Spark settings win
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"s3_endpoint": "store:9000"}, r"TXNLAKE_S3_ENDPOINT\) is 'store:9000'; set it to http://host:port"),
+    ({"s3_access_key_id": "id"}, r"TXNLAKE_S3_ACCESS_KEY_ID and TXNLAKE_S3_SECRET_ACCESS_KEY go together"),
+    ({"lock_lease_seconds": 0.5}, r"TXNLAKE_LOCK_LEASE_SECONDS is 0.5; set it to 1 or more"),
+])
+def test_bad_store_settings_are_one_line_errors(settings, message):
+    with pytest.raises(ConfigurationError, match=message):
+        WarehouseSettings(warehouse="s3://lake/wh", **settings)
 
 
 def test_empty_root_is_a_clear_error():

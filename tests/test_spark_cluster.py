@@ -1,5 +1,9 @@
-"""txnlake on a real Spark standalone cluster (a master and two workers on loopback): the CLI end
-to end in local mode and on the cluster over one generated log, with the same tables and reads.
+"""txnlake on a real Spark standalone cluster (a master and two workers on loopback) against a
+warehouse on S3 (an S3-compatible server on loopback, tests/s3_server.py): the CLI end to end in
+local mode on a local warehouse and on the cluster on the S3 one, its input file on the store too,
+over one generated log, with the same tables and reads. One cluster run covers both deployments'
+differences from local mode at once (the suite has time for one): executors on other JVMs, the
+store's settings reaching Spark and delta-rs, commits by conditional PUTs, leases for locks.
 
 Executors get Delta's jars and the project's code as a user's cluster would (`resources.spark`:
 `spark.jars`, and a zip of the packages by `spark.submit.pyFiles`); nothing is installed for them.
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.s3_server import S3Server, s3_server
 from tests.spark_standalone import StandaloneCluster, standalone_cluster
 
 pytestmark = pytest.mark.slow
@@ -25,7 +30,8 @@ COMMAND_TIMEOUT = 900
 # Settings of the calling shell that would steer a run elsewhere than this test says.
 CLEARED_ENV = ("TXNLAKE_WAREHOUSE", "TXNLAKE_COLD_TIER", "TXNLAKE_LOCK_DIR", "TXNLAKE_SPARK_MASTER",
                "TXNLAKE_SPARK_CONF", "TXNLAKE_COMPUTE", "TXNLAKE_SHIP_CODE", "PYSPARK_PYTHON", "SPARK_LOCAL_IP",
-               "SPARK_CONF_DIR", "PYTHONPATH")
+               "SPARK_CONF_DIR", "PYTHONPATH", "TXNLAKE_S3_ENDPOINT", "TXNLAKE_S3_REGION", "TXNLAKE_S3_ACCESS_KEY_ID",
+               "TXNLAKE_S3_SECRET_ACCESS_KEY", "TXNLAKE_S3_SESSION_TOKEN", "TXNLAKE_S3_PATH_STYLE")
 
 # Columns that legitimately differ between two runs over the same log; every other column of every
 # table must be equal row for row.
@@ -37,6 +43,7 @@ RUN_SPECIFIC_COLUMNS = {
     "snapshot_id": "random per snapshot (secrets.randbits), so recovery never mixes two snapshots' parts",
     "written_at": "wall-clock time a snapshot segment was written",
     "last_snapshot_at": "wall-clock time of the topic's last snapshot",
+    "deleted_at": "wall-clock time retention deleted the ledger",
 }
 
 
@@ -44,6 +51,12 @@ RUN_SPECIFIC_COLUMNS = {
 def spark_cluster(tmp_path_factory) -> StandaloneCluster:
     with standalone_cluster(tmp_path_factory.mktemp("spark-cluster")) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def s3_store(tmp_path_factory) -> S3Server:
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
 
 
 def cli_env(settings: dict[str, str]) -> dict[str, str]:
@@ -61,21 +74,23 @@ def txnlake(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess
     return done
 
 
-def run_cli_end_to_end(folder: Path, log: Path, topic: str, extra_env: dict[str, str]) -> tuple[Path, str]:
-    """ingest, run, snapshot, offload, read into a warehouse of its own; its root and the read's output."""
+def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str]) -> str:
+    """ingest, run, snapshot, offload, retention (all but each topic's newest ledger), read, into the
+    warehouse `extra_env` names (default: one of its own under `folder`); the read's output."""
     from pipelines.cli import DAGSTER_YAML
 
     home = folder / "dagster_home"  # as the CLI prepares one (tests/test_cli.py): its runs and partitions only
     home.mkdir(parents=True)
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
-    warehouse = folder / "warehouse"
-    env = cli_env({"TXNLAKE_WAREHOUSE": str(warehouse), "DAGSTER_HOME": str(home), **extra_env})
-    txnlake(["ingest", str(log)], env)
+    env = cli_env({"TXNLAKE_WAREHOUSE": str(folder / "warehouse"), "DAGSTER_HOME": str(home), **extra_env})
+    txnlake(["ingest", log], env)
     txnlake(["run"], env)
     txnlake(["snapshot"], env)
     offload = txnlake(["offload"], env)
     assert "FAILED" not in offload.stdout and "offloaded 0 ledger(s)" not in offload.stdout, offload.stdout
-    return warehouse, txnlake(["read", topic, "--max", "50"], env).stdout
+    retention = txnlake(["retention", "--keep-ledgers", "1"], env)
+    assert "deleted 0 ledger(s)" not in retention.stdout, retention.stdout
+    return txnlake(["read", topic, "--max", "50"], env).stdout
 
 
 def computed_by(folder: Path) -> set[str]:
@@ -88,17 +103,22 @@ def computed_by(folder: Path) -> set[str]:
                 if "computed_by" in e.asset_materialization.metadata}
 
 
-def delta_tables(root: Path) -> dict[str, Path]:
-    return {str(log.parent.relative_to(root)): log.parent for log in sorted(root.rglob("_delta_log"))}
+def delta_tables(root: Path) -> dict[str, str]:
+    return {str(log.parent.relative_to(root)): str(log.parent) for log in sorted(root.rglob("_delta_log"))}
 
 
-def comparable_rows(path: Path, skipped_seen: set[str]) -> tuple[object, list[dict]]:
+def s3_delta_tables(store: S3Server, prefix: str) -> dict[str, str]:
+    logs = {key.split("/_delta_log/")[0] for key in store.keys(f"{prefix}/") if "/_delta_log/" in key}
+    return {name.removeprefix(f"{prefix}/"): f"s3://{store.bucket}/{name}" for name in sorted(logs)}
+
+
+def comparable_rows(path: str, skipped_seen: set[str], store: S3Server) -> tuple[object, list[dict]]:
     """The table's schema without run-specific columns, and its rows sorted by every non-binary
     column (nested ones by their repr), binary ones breaking ties."""
     import pyarrow as pa
     from deltalake import DeltaTable
 
-    table = DeltaTable(str(path)).to_pyarrow_table()
+    table = DeltaTable(path, storage_options=store.settings().storage_options(path)).to_pyarrow_table()
     skipped = [c for c in table.column_names if c in RUN_SPECIFIC_COLUMNS]
     skipped_seen.update(skipped)
     table = table.drop_columns(skipped)
@@ -115,21 +135,23 @@ def _sortable(value) -> tuple:
     return (False, repr(value) if isinstance(value, (list, dict)) else value)
 
 
-def test_the_cli_on_a_standalone_cluster_matches_local_mode(spark_cluster, tmp_path):
+def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster, s3_store, tmp_path):
     log = tmp_path / "log.jsonl"
     txnlake(["generate", "--entries", "3000", "--seed", "11", str(log)], cli_env({"DAGSTER_HOME": str(tmp_path)}))
     topic = min(json.loads(line)["topic"] for line in log.read_text().splitlines())
+    # The cluster's input on the store as well: executors on other hosts could not read a local path.
+    s3_store.client().upload_file(str(log), s3_store.bucket, "inputs/log.jsonl")
 
     def apps() -> dict[str, dict]:
         return {a["id"]: a for a in spark_cluster.state()["completedapps"]}
 
     before = apps()
-    local_root, local_read = run_cli_end_to_end(tmp_path / "local", log, topic, {})
+    local_read = run_cli_end_to_end(tmp_path / "local", str(log), topic, {})
     assert apps() == before, "local mode must not touch the cluster"
     # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
     # workers), not in the driver, which this small log would otherwise take.
-    cluster_root, cluster_read = run_cli_end_to_end(tmp_path / "cluster", log, topic, {
-        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark"})
+    cluster_read = run_cli_end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
+        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **s3_store.env("warehouse")})
     assert computed_by(tmp_path / "local") == {"driver"} and computed_by(tmp_path / "cluster") == {"spark"}
 
     # The cluster ran the work: each Spark-using command was an application whose executors ran on
@@ -140,13 +162,13 @@ def test_the_cli_on_a_standalone_cluster_matches_local_mode(spark_cluster, tmp_p
     for work_dir in spark_cluster.worker_dirs:
         assert {p.name for p in work_dir.glob("app-*")} & {a["id"] for a in ran}, f"no executor of the run in {work_dir}"
 
-    local_tables, cluster_tables = delta_tables(local_root), delta_tables(cluster_root)
+    local_tables, cluster_tables = delta_tables(tmp_path / "local" / "warehouse"), s3_delta_tables(s3_store, "warehouse")
     assert set(cluster_tables) == set(local_tables)
     assert {"committed_entries", "stable_positions", "cold/offloaded_entries", "recovered_buffer_state"} <= set(local_tables)
     skipped_seen: set[str] = set()
     for name, path in local_tables.items():
-        local_schema, local_rows = comparable_rows(path, skipped_seen)
-        cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen)
+        local_schema, local_rows = comparable_rows(path, skipped_seen, s3_store)
+        cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen, s3_store)
         # Names and types, not nullability: the buffer's Spark path writes its tables' columns
         # nullable where the driver's Arrow path keeps the schema's NOT NULL (same rows).
         assert [(f.name, f.type) for f in cluster_schema] == [(f.name, f.type) for f in local_schema], f"{name}: schemas differ"
@@ -157,6 +179,9 @@ def test_the_cli_on_a_standalone_cluster_matches_local_mode(spark_cluster, tmp_p
 
     assert cluster_read == local_read
     assert cluster_read.splitlines()[-1].startswith("-- 50 entries"), cluster_read[-500:]
+    # Every lock of the cluster's run was a lease in the store, none a file on this host.
+    leases = {key.rsplit("/", 1)[1] for key in s3_store.keys("warehouse/_locks/")}
+    assert {"ledger_entries.lock", "transaction_buffer.lock", "txn_snapshot_writer.lock"} <= leases, leases
 
 
 PROBE = """

@@ -11,7 +11,7 @@ the write order: docs/transaction-buffer.md, "Incremental: partitions by ledger"
 
 One run at a time: `refresh_buffer` holds the warehouse's buffer lock (`buffer_lock`) from
 reading the state to its last write; a second run waits for it (and then plans on what the first
-wrote). A crashed run's lock goes with its process (a flock).
+wrote). A crashed run's lock goes with its process (a flock), or expires (a lease in an S3 store).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from txn_engine.storage.delta_io import (
     sql_string,
 )
 from txn_engine.log.ledgers import derive_ledger_catalog, recorded_ledger_states
-from txn_engine.storage.locks import table_lock
+from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_DUPLICATES,
@@ -128,10 +128,10 @@ BUFFER_LOCK_TIMEOUT_S = 3600.0
 def buffer_lock(wh: Warehouse, timeout_s: float = BUFFER_LOCK_TIMEOUT_S) -> Iterator[None]:
     """Exclusive right to run the transaction buffer on this warehouse, across processes and threads.
 
-    Held by `refresh_buffer` for its whole run; nothing it calls takes it again (a flock is not
+    Held by `refresh_buffer` for its whole run; nothing it calls takes it again (the lock is not
     reentrant: it would wait for itself).
     """
-    with table_lock(wh.settings.lock_path(BUFFER_LOCK), timeout_s,
+    with writer_lock(wh.settings, BUFFER_LOCK, timeout_s,
                     guarded="the transaction buffer of this warehouse (a buffer run: a Dagster run of its "
                             "assets, `txnlake run`)"):
         yield

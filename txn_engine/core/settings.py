@@ -1,4 +1,8 @@
-"""Warehouse settings: where the tables live. Every table location is derived here, once."""
+"""Warehouse settings: where the tables live, and how to reach the object store they may live on.
+
+Every table location is derived here, once, and so are the object store's settings as Spark
+(`spark_storage_conf`) and delta-rs (`storage_options`) each spell them: one setting reaches both.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ from txn_engine.core.errors import ConfigurationError
 _WAREHOUSE = "the warehouse root (TXNLAKE_WAREHOUSE)"
 _COLD_TIER = "the offload tier root (TXNLAKE_COLD_TIER, default <warehouse>/cold)"
 _LOCK_DIR = "the writer lock folder (TXNLAKE_LOCK_DIR, default <warehouse>/_locks)"
+_ENDPOINT = "the object store's endpoint (TXNLAKE_S3_ENDPOINT)"
+
+# URI schemes of an S3 (or S3-compatible) store: delta-rs reads both, Spark maps both to S3A.
+S3_SCHEMES = ("s3", "s3a")
 
 # Where the transaction buffer's kernel runs (`TXNLAKE_COMPUTE`): chosen by size, or forced.
 COMPUTE_CHOICES = ("auto", "driver", "spark")
@@ -28,6 +36,16 @@ def is_local_uri(uri: str) -> bool:
     """True for a plain path or a `file:` URI: the ones a file lock on this machine can guard."""
     scheme = urlparse(uri).scheme
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def is_s3_uri(uri: str) -> bool:
+    return urlparse(uri).scheme in S3_SCHEMES
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, key) of `s3://bucket/key` or `s3a://bucket/key`; the key without a leading slash."""
+    parsed = urlparse(uri)
+    return parsed.netloc, parsed.path.lstrip("/")
 
 
 def _normalize_root(uri: str, setting: str) -> str:
@@ -70,9 +88,26 @@ class WarehouseSettings(BaseSettings):
     )
     lock_dir: str | None = Field(
         default=None,
-        description="Folder of the per-table writer locks; default: <warehouse>/_locks for a "
-        "local warehouse, ~/.cache/txnlake/locks otherwise.",
+        description="Where the writer locks live: a local folder (flock) or an s3:// prefix (leases with "
+        "expiry); default: <warehouse>/_locks for a local or S3 warehouse, ~/.cache/txnlake/locks otherwise.",
     )
+
+    lock_lease_seconds: float = Field(
+        default=60.0, description="Locks in an S3 store are leases this long, renewed while held: a crashed "
+        "holder blocks the others this long at most.")
+
+    # The object store: one setting for Spark (S3A) and delta-rs alike. Unset credentials fall back
+    # to each client's own chain (AWS_* variables, profiles, instance roles).
+    s3_endpoint: str | None = Field(
+        default=None, description="http(s)://host[:port] of an S3-compatible store (TLS follows the scheme); "
+        "default: AWS S3.")
+    s3_region: str | None = Field(default=None, description="The store's region, e.g. us-east-1.")
+    s3_access_key_id: str | None = Field(default=None, description="Access key id; default: the client's chain.")
+    s3_secret_access_key: str | None = Field(default=None, description="Secret access key.")
+    s3_session_token: str | None = Field(default=None, description="Session token of temporary credentials.")
+    s3_path_style: bool = Field(
+        default=False, description="Address buckets as host/bucket/key (most S3-compatible servers) rather than "
+        "bucket.host/key.")
 
     compute: str = Field(
         default="auto",
@@ -102,6 +137,25 @@ class WarehouseSettings(BaseSettings):
             raise ConfigurationError(f"TXNLAKE_{info.field_name.upper()} is {value}; set it to a byte count, 0 or more")
         return value
 
+    @field_validator("lock_lease_seconds")
+    @classmethod
+    def _lease(cls, value: float) -> float:
+        if value < 1:
+            raise ConfigurationError(f"TXNLAKE_LOCK_LEASE_SECONDS is {value}; set it to 1 or more (default 60)")
+        return value
+
+    @field_validator("s3_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        parsed = urlparse(value.strip())
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ConfigurationError(
+                f"{_ENDPOINT} is {value!r}; set it to http://host:port or https://host[:port] (the scheme says "
+                "whether TLS is used), or unset it for AWS S3")
+        return value.strip().rstrip("/")
+
     @field_validator("warehouse")
     @classmethod
     def _root(cls, value: str) -> str:
@@ -116,7 +170,11 @@ class WarehouseSettings(BaseSettings):
     def _folders(self) -> "WarehouseSettings":
         _require_folder(self.warehouse, _WAREHOUSE)
         _require_folder(self.cold_root(), _COLD_TIER)
-        _require_folder(str(self.lock_folder()), _LOCK_DIR)
+        _require_folder(self.lock_root(), _LOCK_DIR)
+        if self.s3_secret_access_key and not self.s3_access_key_id or self.s3_access_key_id and not self.s3_secret_access_key:
+            raise ConfigurationError(
+                "TXNLAKE_S3_ACCESS_KEY_ID and TXNLAKE_S3_SECRET_ACCESS_KEY go together: set both, or neither "
+                "to use the client's own credential chain")
         return self
 
     @property
@@ -135,15 +193,81 @@ class WarehouseSettings(BaseSettings):
         """The location of a table in the cold (offload) tier."""
         return _join(self.cold_root(), table)
 
-    def lock_folder(self) -> Path:
+    def lock_root(self) -> str:
+        """Where the locks live: a local folder (flock) or an S3 prefix (leases in the store)."""
         if self.lock_dir:
-            return Path(self.lock_dir).expanduser()
+            return _normalize_root(self.lock_dir, _LOCK_DIR)
         if is_local_uri(self.warehouse):
-            return Path(_local_path(self.warehouse)) / "_locks"
-        return Path.home() / ".cache" / "txnlake" / "locks"
+            return str(Path(_local_path(self.warehouse)) / "_locks")
+        if is_s3_uri(self.warehouse):
+            return _join(self.warehouse, "_locks")
+        return str(Path.home() / ".cache" / "txnlake" / "locks")
 
-    def lock_path(self, table: str) -> Path:
-        return self.lock_folder() / f"{table}.lock"
+    def lock_path(self, name: str) -> str:
+        """The lock `name` (a table's, or the buffer's, the engine's...): a file, or an S3 object."""
+        return _join(self.lock_root(), f"{name}.lock")
+
+    def locks_in_store(self) -> bool:
+        """True when the locks are leases in the object store, shared by every host that reaches it."""
+        return is_s3_uri(self.lock_root())
+
+    def uses_s3(self) -> bool:
+        """Whether anything here lives on an S3 store (or the store is configured, for inputs on it)."""
+        return (any(is_s3_uri(u) for u in (self.warehouse, self.cold_root(), self.lock_root()))
+                or self.s3_endpoint is not None)
+
+    def storage_options(self, uri: str) -> dict[str, str] | None:
+        """delta-rs's `storage_options` for a table at `uri`: the store's settings for an S3 URI
+        (unset ones left to delta-rs's own AWS_* chain), None for any other. Commits stay safe
+        across hosts: delta-rs creates each log entry with a conditional PUT (If-None-Match)."""
+        if not is_s3_uri(uri):
+            return None
+        options = {
+            "AWS_ENDPOINT_URL": self.s3_endpoint,
+            "AWS_REGION": self.s3_region,
+            "AWS_ACCESS_KEY_ID": self.s3_access_key_id,
+            "AWS_SECRET_ACCESS_KEY": self.s3_secret_access_key,
+            "AWS_SESSION_TOKEN": self.s3_session_token,
+        }
+        if self.s3_endpoint and self.s3_endpoint.startswith("http://"):
+            options["AWS_ALLOW_HTTP"] = "true"
+        if self.s3_path_style:
+            options["AWS_VIRTUAL_HOSTED_STYLE_REQUEST"] = "false"
+        return {k: v for k, v in options.items() if v is not None}
+
+    def spark_storage_conf(self) -> dict[str, str]:
+        """The store's settings as Spark's (S3A) Hadoop configuration; empty when nothing is on S3.
+        `s3://` URIs are read by S3A too, so one URI serves Spark and delta-rs."""
+        if not self.uses_s3():
+            return {}
+        conf = {"spark.hadoop.fs.s3.impl": "org.apache.hadoop.fs.s3a.S3AFileSystem",
+                "spark.hadoop.fs.s3a.path.style.access": str(self.s3_path_style).lower()}
+        if self.s3_endpoint:
+            conf["spark.hadoop.fs.s3a.endpoint"] = self.s3_endpoint
+            conf["spark.hadoop.fs.s3a.connection.ssl.enabled"] = str(self.s3_endpoint.startswith("https://")).lower()
+        if self.s3_region:
+            conf["spark.hadoop.fs.s3a.endpoint.region"] = self.s3_region
+        if self.s3_access_key_id:
+            conf["spark.hadoop.fs.s3a.access.key"] = self.s3_access_key_id
+            conf["spark.hadoop.fs.s3a.secret.key"] = self.s3_secret_access_key or ""
+            if self.s3_session_token:
+                conf["spark.hadoop.fs.s3a.session.token"] = self.s3_session_token
+                conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+                    "org.apache.hadoop.fs.s3a.TemporaryAWSCredentialsProvider")
+            else:
+                conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+                    "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider")
+        return conf
+
+    def s3_client_config(self) -> dict[str, object]:
+        """The store's settings as boto3 client arguments (the leases' client)."""
+        config: dict[str, object] = {"region_name": self.s3_region or "us-east-1"}
+        if self.s3_endpoint:
+            config["endpoint_url"] = self.s3_endpoint
+        if self.s3_access_key_id:
+            config.update(aws_access_key_id=self.s3_access_key_id, aws_secret_access_key=self.s3_secret_access_key,
+                          aws_session_token=self.s3_session_token)
+        return config
 
     def is_local(self) -> bool:
         return is_local_uri(self.warehouse)

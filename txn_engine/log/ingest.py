@@ -26,7 +26,6 @@ from functools import reduce
 from typing import Sequence
 
 import pyarrow as pa
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, SparkSession, Window
@@ -64,7 +63,9 @@ from txn_engine.core.schema import (
     QUARANTINE_ENTRIES,
     QUARANTINE_ENTRIES_SCHEMA,
 )
+from txn_engine.core.settings import WarehouseSettings
 from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.storage.s3 import arrow_filesystem
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -205,7 +206,7 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
-def read_raw(spark: SparkSession, source: SourceFile) -> DataFrame:
+def read_raw(spark: SparkSession, source: SourceFile, settings: WarehouseSettings | None = None) -> DataFrame:
     """One source file as rows of `source_file, line, raw, <ledger_entries columns>`.
 
     Text formats keep every column a string (validated later) and number lines from 1 (the CSV
@@ -213,7 +214,7 @@ def read_raw(spark: SparkSession, source: SourceFile) -> DataFrame:
     """
     try:
         if source.format == "parquet":
-            return _read_parquet(spark, source)
+            return _read_parquet(spark, source, settings or WarehouseSettings())
         lines = _numbered_lines(spark, source.path)
         if source.format == "jsonl":
             return _parse_jsonl(lines, source.path)
@@ -353,20 +354,20 @@ def _parse_csv(spark: SparkSession, lines: DataFrame, path: str) -> DataFrame:
 _NANOS_AS_LONG = "spark.sql.legacy.parquet.nanosAsLong"
 
 
-def _nanosecond_columns(path: str) -> list[str]:
+def _nanosecond_columns(path: str, settings: WarehouseSettings) -> list[str]:
     """Columns of a Parquet file stored as TIMESTAMP(NANOS), from its footer (pyarrow: no Spark job).
     Empty when pyarrow cannot open the path (a file system it does not know): Spark then names the
     problem itself, and `read_raw` says how to write the file."""
     try:
-        fs, inner = pafs.FileSystem.from_uri(path)
+        fs, inner = arrow_filesystem(settings, path)  # on an S3 store: its settings, as Spark has them
         schema = pq.read_schema(inner, filesystem=fs)
     except Exception:  # noqa: BLE001 - only a shortcut; Spark's read reports real problems
         return []
     return [f.name for f in schema if pa.types.is_timestamp(f.type) and f.type.unit == "ns"]
 
 
-def _read_parquet(spark: SparkSession, source: SourceFile) -> DataFrame:
-    nanos = _nanosecond_columns(source.path)
+def _read_parquet(spark: SparkSession, source: SourceFile, settings: WarehouseSettings) -> DataFrame:
+    nanos = _nanosecond_columns(source.path, settings)
     if nanos:
         # Session-wide, and left set: it changes only how Spark reads nanosecond columns, which it
         # cannot read otherwise; unsetting it could break a concurrent ingest of such a file.
@@ -701,7 +702,7 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     sources = resolve_sources(spark, paths)
     # Validated file by file: a union of raw files would coerce one file's columns to another's
     # types (JSONL's base64 text becoming Parquet's binary, undecoded).
-    validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s)) for s in sources])
+    validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s, warehouse.settings)) for s in sources])
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
         files=[s.path for s in sources],

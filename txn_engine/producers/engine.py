@@ -2,8 +2,9 @@
 
 Several engines on one warehouse would each hand out producer ids, epochs, transaction ids and
 ledger positions from their own memory, so fencing and exactly-once markers would break. The
-rule: one engine per warehouse, enforced by an exclusive lock file (`<lock dir>/engine.lock`,
-the same folder as the table writer locks) held for the engine's lifetime. A second engine, in
+rule: one engine per warehouse, enforced by an exclusive lock (`<lock dir>/engine.lock`, beside
+the table writer locks: an flock, or a lease in the store for an S3 warehouse, `storage.locks`)
+held for the engine's lifetime. A second engine, in
 this process or another, is refused with an error naming the holder. Ingest and the Spark jobs
 are not engines: they keep writing their tables under the per-table locks.
 
@@ -24,6 +25,7 @@ import socket
 import sys
 import threading
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Callable
 
 from txn_engine.tier.consumer import Consumer
@@ -38,6 +40,7 @@ from txn_engine.producers.producer import (
 from txn_engine.core.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, LEDGER_STATES_LOG, TXN_LOG
 from txn_engine.storage.upkeep import TableUpkeep, UpkeepPolicy
 from txn_engine.core.errors import EngineLockedError, EngineStoppedError
+from txn_engine.storage.locks import Lease
 from txn_engine.storage.warehouse import Warehouse
 
 ENGINE_LOCK = "engine"
@@ -83,10 +86,23 @@ def utc_now() -> datetime:
 
 
 class EngineLock:
-    """The warehouse's exclusive engine lock (flock: released when the holder exits, even killed)."""
+    """The warehouse's exclusive engine lock: an flock (released when the holder exits, even
+    killed), or a lease in the store (expiring a lease after a killed holder's last renewal)."""
 
     def __init__(self, warehouse: Warehouse):
-        self.path = warehouse.settings.lock_path(ENGINE_LOCK)
+        settings = warehouse.settings
+        self._lease: Lease | None = None
+        self._fd = -1
+        if settings.locks_in_store():
+            self._lease = Lease(settings, settings.lock_path(ENGINE_LOCK))
+            holder = self._lease.try_acquire()
+            if holder is not None:
+                raise EngineLockedError(
+                    f"another transaction engine is running on this warehouse ({holder}; lease "
+                    f"{self._lease.uri}, renewed every {self._lease.ttl_s / 3:.0f}s while it runs). One engine writes a "
+                    "warehouse at a time: send through that engine, or stop it and retry.")
+            return
+        self.path = Path(settings.lock_path(ENGINE_LOCK))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -102,6 +118,9 @@ class EngineLock:
         os.write(self._fd, f"pid {os.getpid()} on {socket.gethostname()} since {utc_now():%Y-%m-%d %H:%M:%S} UTC".encode())
 
     def release(self) -> None:
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            lease.release()
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

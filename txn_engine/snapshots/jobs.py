@@ -32,7 +32,7 @@ from txn_engine.buffer.spark_runner import decide_full
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.log.ledgers import recorded_deleted_ledgers
-from txn_engine.storage.locks import table_lock
+from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
@@ -101,14 +101,14 @@ def snapshot_lock(wh: Warehouse, timeout_s: float = SNAPSHOT_LOCK_TIMEOUT_S) -> 
     writer's parts and its end drops those parts (the end then names a snapshot without them).
 
     `write_snapshots` and `compact_segments` take it; a snapshot run holds it from choosing what is
-    due to the state written, across both. Reentrant in the thread that holds it (a flock is not:
+    due to the state written, across both. Reentrant in the thread that holds it (the lock is not:
     it would wait for itself); another thread of the process waits like another process."""
     path = wh.settings.lock_path(SNAPSHOT_LOCK)
     held: set = _snapshot_locks_held.__dict__.setdefault("paths", set())
     if path in held:
         yield
         return
-    with table_lock(path, timeout_s,
+    with writer_lock(wh.settings, SNAPSHOT_LOCK, timeout_s,
                     guarded="the transaction-buffer snapshots of this warehouse (a snapshot run: `txnlake snapshot`, "
                             "the take_snapshots job, or a caller of write_snapshots / compact_segments)"):
         held.add(path)

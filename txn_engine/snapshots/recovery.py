@@ -337,7 +337,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
         index, aborts = snapshot_index(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA))
         deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
     usable = {t: s for t, s in index.items() if s.fallback_reason is None}
-    log = DeltaTable(warehouse.path(LEDGER_ENTRIES))
+    log = warehouse.delta_rs_table(warehouse.path(LEDGER_ENTRIES))
     # The log's version this recovery starts from, in its commit: the check tells a recovery the
     # log has since moved past (an ingest, a retention) from a wrong one (`stale_recovery`).
     recovered_from = {version_key(LEDGER_ENTRIES): str(log.version())}

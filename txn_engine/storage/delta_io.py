@@ -198,7 +198,7 @@ class DeltaTables:
 
     def _open(self, table: str) -> DeltaTable | None:
         try:
-            return DeltaTable(self.warehouse.path(table))
+            return self.warehouse.delta_rs_table(self.warehouse.path(table))
         except TableNotFoundError:
             return None
 
@@ -276,7 +276,7 @@ class DeltaTables:
         if handle is None:
             raise self.warehouse.missing(table)
         if version is not None and version != handle.version():
-            handle = DeltaTable(self.warehouse.path(table), version=version)  # the cached handle stays at the latest
+            handle = self.warehouse.delta_rs_table(self.warehouse.path(table), version)  # the cached handle stays at the latest
         return handle
 
     def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
@@ -415,14 +415,15 @@ class DeltaTables:
         if data.schema != target:
             data = data.cast(target)
         path = self.warehouse.path(table)
+        options = self.warehouse.storage_options(path)
         properties = CommitProperties(custom_metadata=commit_metadata) if commit_metadata else None
         with self.warehouse.writer(table):
             if predicate is None or not self.exists(table):
                 retry_delta_conflicts(lambda: write_deltalake(path, data, mode="overwrite", schema_mode="overwrite",
-                                                              commit_properties=properties))
+                                                              commit_properties=properties, storage_options=options))
             else:
                 retry_delta_conflicts(lambda: write_deltalake(path, data, mode="overwrite", predicate=predicate,
-                                                              commit_properties=properties))
+                                                              commit_properties=properties, storage_options=options))
             self._writers.pop(table, None)  # an append handle would first have to read this commit
         return data.num_rows
 
@@ -430,7 +431,8 @@ class DeltaTables:
         handle = self._writers.get(table) or self._open(table)
         try:
             if handle is None:  # the first append creates the table
-                write_deltalake(self.warehouse.path(table), data, mode="append")
+                path = self.warehouse.path(table)
+                write_deltalake(path, data, mode="append", storage_options=self.warehouse.storage_options(path))
                 return
             before = handle.version()
             interval = int(handle.metadata().configuration.get("delta.checkpointInterval") or DEFAULT_CHECKPOINT_INTERVAL)

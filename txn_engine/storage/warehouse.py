@@ -25,7 +25,7 @@ from pyspark.sql.types import StructType
 
 from txn_engine.core.errors import TableMissingError, TxnlakeError
 from txn_engine.storage.arrow_frames import local_frame
-from txn_engine.storage.locks import table_lock
+from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import COLD_TABLES
 from txn_engine.core.settings import WarehouseSettings
 
@@ -54,6 +54,7 @@ class Warehouse:
     def __init__(self, spark: SparkSession | Callable[[], SparkSession], settings: WarehouseSettings | None = None):
         self._spark = spark
         self.settings = settings or WarehouseSettings()
+        self._storage_applied = False
 
     @property
     def spark(self) -> SparkSession:
@@ -61,6 +62,15 @@ class Warehouse:
         done by delta-rs alone (an incremental buffer run's checks) starts no JVM."""
         if callable(self._spark):
             self._spark = self._spark()
+        if not self._storage_applied:
+            self._storage_applied = True
+            # The store's settings of this warehouse (they may come from the Dagster resource, not the
+            # environment the session started from): Hadoop's configuration is read per file system
+            # and shipped with each job, so setting it now reaches the executors too.
+            if storage := self.settings.spark_storage_conf():
+                hadoop = self._spark.sparkContext._jsc.hadoopConfiguration()
+                for key, value in storage.items():
+                    hadoop.set(key.removeprefix("spark.hadoop."), value)
         return self._spark
 
     def path(self, table: str) -> str:
@@ -69,9 +79,18 @@ class Warehouse:
             return self.settings.cold_table_path(table)
         return self.settings.table_path(table)
 
+    def storage_options(self, location: str) -> dict[str, str] | None:
+        """delta-rs's `storage_options` for a table at `location` (the store's settings on S3)."""
+        return self.settings.storage_options(location)
+
+    def delta_rs_table(self, location: str, version: int | None = None) -> deltalake.DeltaTable:
+        """The delta-rs handle of the table at `location` (at `version`, else the latest)."""
+        return deltalake.DeltaTable(location, version=version, storage_options=self.storage_options(location))
+
     def exists(self, table: str, path: str | None = None) -> bool:
         # From the log through delta-rs: Spark's isDeltaTable loads Delta's JVM classes (4 s cold).
-        return deltalake.DeltaTable.is_deltatable(path or self.path(table))
+        location = path or self.path(table)
+        return deltalake.DeltaTable.is_deltatable(location, storage_options=self.storage_options(location))
 
     def missing(self, table: str, path: str | None = None) -> TableMissingError:
         """The error for reading `table` before it exists: where it was looked for, and what makes it."""
@@ -97,12 +116,12 @@ class Warehouse:
         if not self.exists(table, location):
             return None
         # From the log through delta-rs: Spark's history() costs a Spark job (~0.4 s) for one number.
-        return deltalake.DeltaTable(location).version()
+        return self.delta_rs_table(location).version()
 
     @contextmanager
     def writer(self, table: str) -> Iterator[None]:
         """Exclusive right to write `table`, across processes: hold it from read to commit."""
-        with table_lock(self.settings.lock_path(table)):
+        with writer_lock(self.settings, table):
             yield
 
     def append(self, table: str, df: DataFrame, path: str | None = None) -> None:
