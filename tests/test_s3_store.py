@@ -41,7 +41,7 @@ def test_an_s3_warehouse_keeps_its_locks_in_the_store(s3_store):
     assert settings.locks_in_store()
     assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_locks/ledgers.lock"
     with writer_lock(settings, "ledgers"):
-        assert f"placed/_locks/ledgers.lock" in s3_store.keys("placed/_locks/")
+        assert "placed/_locks/ledgers.lock" in s3_store.keys("placed/_locks/")
         with pytest.raises(TableLockTimeout, match=r"s3://.*ledgers\.lock; another txnlake process \(pid \d+ on "):
             with writer_lock(settings, "ledgers", timeout_s=0.3):
                 pass
