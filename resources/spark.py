@@ -276,6 +276,12 @@ def _apply_runtime_conf(session: SparkSession, wanted: Mapping[str, str]) -> Non
         )
 
 
+def running_session() -> SparkSession | None:
+    """This process's session when one runs (never starts one): for progress reports."""
+    session = _session
+    return session if session is not None and session.sparkContext._jsc is not None else None
+
+
 def spark_startup_seconds() -> float | None:
     """How long this process's SparkSession took to start (None before it has)."""
     return _startup_seconds

@@ -9,6 +9,7 @@ separate open file descriptions, so it also serializes threads of one process.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -16,6 +17,10 @@ from pathlib import Path
 from typing import Iterator
 
 from txn_engine.core.errors import TxnlakeError
+
+# The operator's console (`txnlake` commands print this logger): a writer waiting says so.
+progress = logging.getLogger("txnlake.locks")
+WAIT_REPORT_S = 10.0  # a wait is announced at once, then again this often
 
 
 class TableLockTimeout(TxnlakeError):
@@ -32,12 +37,20 @@ def table_lock(path: Path, timeout_s: float = 600.0, guarded: str = "this table"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        reported = None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                now = time.monotonic()
+                if reported is None or now - reported >= WAIT_REPORT_S:
+                    reported = now
+                    what = f"table {path.stem}" if guarded == "this table" else guarded
+                    progress.info(f"waiting for the lock of {what} ({path}, {_holder(path)}), "
+                                  f"{now - started:.0f}s so far")
                 if time.monotonic() > deadline:
                     raise TableLockTimeout(
                         f"waited {timeout_s:.0f}s for the writer lock {path}; another txnlake "
@@ -49,3 +62,12 @@ def table_lock(path: Path, timeout_s: float = 600.0, guarded: str = "this table"
         yield
     finally:
         os.close(fd)  # closing releases the flock
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, as the holder wrote it (its pid), for the wait's message."""
+    try:
+        pid = path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"held by process {pid}" if pid.isdigit() else "held by another writer"
