@@ -183,6 +183,32 @@ snapshot_job = define_asset_job(
 )
 
 
+def snapshots_pending(wh: Warehouse) -> list[str]:
+    """Why a `take_snapshots` run (not forced) has work, empty when it would change nothing: its
+    tables exist, no topic is due, unfinished or has changes an interval could make due later, and
+    nothing it reads changed after the recovery it wrote. Read by delta-rs (commit infos, the state)."""
+    from txn_engine.core.schema import DELETED_LEDGERS, TXN_SNAPSHOT_STATE_SCHEMA
+
+    tables = DeltaTables(wh)
+    written = {t: tables.last_commit(t) for t in (TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE)}
+    missing = [t for t, commit in written.items() if commit is None]
+    if missing:
+        return [f"table {', '.join(missing)} does not exist yet"]
+    states = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA,
+                         ["topic", "state", "due", "changes_since_snapshot"]).to_pylist()
+    waiting = [r["topic"] for r in states if r["due"] or r["state"] == "INITIALIZING" or r["changes_since_snapshot"]]
+    reasons = [f"{len(waiting)} topic(s) due or with changes since their snapshot: {', '.join(sorted(waiting)[:5])}"] if waiting else []
+    # The segments are written (and compacted) by the run itself, before its recovery.
+    since = {source: int(written[TXN_SNAPSHOT_STATE]["timestamp"]) for source in
+             (LEDGER_ENTRIES, STABLE_POSITIONS, ABORTED_TXNS, DELETED_LEDGERS)}
+    since[TXN_SNAPSHOT_SEGMENTS] = int(written[RECOVERED_BUFFER_STATE]["timestamp"])
+    for source, after in since.items():
+        change = tables.last_change(source)
+        if change is not None and int(change["timestamp"]) > after:
+            reasons.append(f"{source} changed (version {change.get('version')}) after the last snapshot run")
+    return reasons
+
+
 def delta_version_on_disk(table_path: str) -> int | None:
     """The latest commit of a local Delta table, from its log's file names (no Spark in the daemon)."""
     log = Path(urlparse(table_path).path if table_path.startswith("file:") else table_path) / "_delta_log"

@@ -17,6 +17,8 @@ import json
 import time
 from typing import NamedTuple
 
+import pyarrow.compute as pc
+
 from dagster import (
     AssetKey,
     AssetPartitionStatus,
@@ -42,6 +44,7 @@ from txn_engine.buffer.refresh import (
     closed_ledger_counts,
     closed_ledger_ids,
     ledgers_behind,
+    listed_ledgers,
     read_catalog,
     stored_ledger_counts,
 )
@@ -85,6 +88,17 @@ def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers
     to_run = {**ledgers_behind(closed, state),
               **{key: counts for key, counts in closed.items() if ledger_partition_key(key[1]) in unrecorded}}
     return ClosedLedgers(new, {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in sorted(to_run.items())})
+
+
+def open_ledgers_behind(wh: Warehouse) -> list[str]:
+    """"topic/ledger_id" of the OPEN ledgers whose catalog counts the buffer state does not hold (the
+    closed ones are `closed_ledgers_of`'s): every buffer run recomputes them, whatever its range."""
+    if not wh.exists(LEDGERS):
+        return []
+    catalog = read_catalog(wh, LEDGER_COUNT_COLUMNS + ["state"])
+    rows = listed_ledgers(catalog.filter(pc.equal(catalog["state"], "OPEN"))).select(LEDGER_COUNT_COLUMNS).to_pylist()
+    counts = {(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}
+    return [f"{t}/{l}" for t, l in sorted(ledgers_behind(counts, stored_ledger_counts(wh)))]
 
 
 def unmaterialized_partitions(instance: DagsterInstance, keys: list[str]) -> set[str]:
