@@ -503,14 +503,14 @@ def cmd_retention(args: argparse.Namespace) -> int:
 
 
 def _parsed(name: str):
-    """An argparse `type` from txn_engine.tier.retention's parser `name`: a bad value is a usage error
+    """An argparse `type` from txn_engine.core.units' parser `name`: a bad value is a usage error
     at once, before anything starts."""
 
     def parse(text: str):
-        from txn_engine.tier import retention
+        from txn_engine.core import units
 
         try:
-            return getattr(retention, name)(text)
+            return getattr(units, name)(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -637,8 +637,16 @@ def _attach_positions(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_attach_positions(argv))
+    if getattr(args, "precheck", None):
+        try:
+            args.precheck(args)  # in milliseconds, before anything starts
+        except TxnlakeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
-        return _main(argv)
+        return _main(args, argv)
     finally:
         _let_arrow_scans_wind_down()
 
@@ -657,16 +665,12 @@ def _let_arrow_scans_wind_down() -> None:
 WAREHOUSE_COMMANDS = {"ingest", "run", "sql", "snapshot", "demo", "txn", "read", "offload", "retention"}
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(_attach_positions(argv))
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
     _command.argv = argv
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if _on_main_thread() else None
     try:
         with Console(quiet=getattr(args, "quiet", False)) as console:
             _command.console = console
-            if getattr(args, "precheck", None):
-                args.precheck(args)
             if args.command in WAREHOUSE_COMMANDS:
                 _require_whole_logs()
             return args.func(args)
@@ -675,14 +679,17 @@ def _main(argv: Sequence[str] | None) -> int:
         for note in getattr(exc, "__notes__", ()):
             print(f"  {note}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"interrupted: {_cancel_current_run()}", file=sys.stderr)
-        return 130
     except ValueError as exc:
         if getattr(args, "command", None) != "txn":
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        # Ctrl-C, SIGTERM: a KeyboardInterrupt, or Dagster's own error for one inside a step.
+        if not isinstance(exc, KeyboardInterrupt) and type(exc).__name__ != "DagsterExecutionInterruptedError":
+            raise
+        print(f"interrupted: {_cancel_current_run()}", file=sys.stderr)
+        return 130
     finally:
         _command.console = Console(quiet=True)
         if previous is not None:

@@ -108,8 +108,11 @@ def run_job(job_name: str, instance, *, run_config: dict | None = None, asset_se
     )
     current_run.update(instance=instance, run_id=run.run_id)
     try:
-        return execute_run(InMemoryJob(job), run, instance, raise_on_error=True)
+        result = execute_run(InMemoryJob(job), run, instance, raise_on_error=True)
+        current_run.clear()  # kept on an interrupt (not an Exception), for the command to report
+        return result
     except Exception as exc:
+        current_run.clear()
         # In process, Dagster raises the step's own exception (or wraps it in a step error).
         cause = (exc.user_exception or exc.__cause__) if isinstance(exc, DagsterExecutionStepExecutionError) else exc
         if isinstance(cause, TxnlakeError):
@@ -118,8 +121,6 @@ def run_job(job_name: str, instance, *, run_config: dict | None = None, asset_se
             cause.add_note(f"run {run.run_id} of job {job.name} failed; its full log is in {where}")
             raise cause from None
         raise
-    finally:
-        current_run.clear()
 
 
 def dagster_home() -> str:
