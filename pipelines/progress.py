@@ -85,9 +85,10 @@ class Console:
         console = self
 
         def make(init_context):
-            level = init_context.logger_config["log_level"]
-            logger = logging.Logger("txnlake.dagster", level=getattr(logging, level.upper(), logging.INFO))
-            logger.addHandler(_DagsterHandler(console))
+            level = getattr(logging, init_context.logger_config["log_level"].upper(), logging.INFO)
+            # Dagster logs its events (a step's start and end) at DEBUG: the handler picks them.
+            logger = logging.Logger("txnlake.dagster", level=logging.DEBUG)
+            logger.addHandler(_DagsterHandler(console, level))
             return logger
 
         return LoggerDefinition(make, config_schema={"log_level": Field(str, is_required=False, default_value="INFO"),
@@ -108,9 +109,10 @@ class _ConsoleHandler(logging.Handler):
 
 
 class _DagsterHandler(logging.Handler):
-    def __init__(self, console: Console):
+    def __init__(self, console: Console, level: int):
         super().__init__(logging.DEBUG)
         self.console = console
+        self.messages_from = level  # the level of a step's own messages shown
 
     def emit(self, record: logging.LogRecord) -> None:
         from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
@@ -119,9 +121,11 @@ class _DagsterHandler(logging.Handler):
         event = meta.get("dagster_event")
         step = meta.get("step_key")
         if event is None:  # a step's own log line (context.log)
-            if record.levelno >= logging.INFO:
+            if record.levelno >= self.messages_from:
+                text = meta.get("orig_message", record.getMessage())
                 prefix = "warning: " if record.levelno >= logging.WARNING else ""
-                self.console.line(f"{step + ': ' if step else ''}{prefix}{meta.get('orig_message', record.getMessage())}")
+                where = f"{step}: " if step and not text.startswith(f"{step}:") else ""
+                self.console.line(f"{where}{prefix}{text}")
             return
         kind = event.event_type_value
         if kind in _STEP_EVENTS:

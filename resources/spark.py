@@ -241,6 +241,11 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             # Honoured by spark-submit only (over PYSPARK_PYTHON); a session built here reads the environment.
             os.environ["PYSPARK_PYTHON"] = wanted["spark.pyspark.python"]
         started = time.perf_counter()
+        # Spark's launcher always loads the JVM's incubating vector module, and the JVM then warns
+        # "Using incubator modules: jdk.incubator.vector" on stderr: said once here, before it shows.
+        logging.getLogger("txnlake.spark").info(
+            f"starting Spark ({wanted['spark.master']}); the JVM's 'Using incubator modules' warning that "
+            "follows is Spark's own and harmless")
         builder = SparkSession.builder
         for key, value in wanted.items():
             builder = builder.config(key, value)
