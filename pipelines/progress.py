@@ -127,16 +127,18 @@ class _DagsterHandler(logging.Handler):
                 where = f"{step}: " if step and not text.startswith(f"{step}:") else ""
                 self.console.line(f"{where}{prefix}{text}")
             return
-        kind = event.event_type_value
-        if kind in _STEP_EVENTS:
-            if kind == "STEP_START":
+        from dagster import DagsterEventType as Kind
+
+        kind = event.event_type
+        if kind.value in _STEP_EVENTS:
+            if kind == Kind.STEP_START:
                 self.console.stage = step
-            self.console.line(f"{step}: {_STEP_EVENTS[kind]}")
-        elif kind == "RUN_START":
+            self.console.line(f"{step}: {_STEP_EVENTS[kind.value]}")
+        elif kind == Kind.RUN_START:
             self.console.line(f"run {meta.get('run_id')} of job {meta.get('job_name')}: started")
-        elif kind == "RUN_CANCELED":
+        elif kind == Kind.RUN_CANCELED:
             self.console.line(f"run {meta.get('run_id')}: cancelled")
-        elif kind in ("STEP_FAILURE", "RUN_FAILURE"):
+        elif kind in (Kind.STEP_FAILURE, Kind.RUN_FAILURE):
             _on_failure(self.console, event, step, record)
 
 

@@ -59,7 +59,7 @@ def test_cli_runs_are_named_reexecutable_runs(warehouse, warehouse_root, tmp_pat
     assert main(["ingest", str(data)]) == 0
     assert main(["run"]) == 0
     out, err = capsys.readouterr()
-    assert "stable_positions" in out and "derive_all" in err  # a stage line per step, on stderr
+    assert "stable_positions" in out and "of job derive_all: started" in err, (out, err)  # stage lines: stderr
     instance = DagsterInstance.get()
     runs = runs_by_job(instance)
     assert set(runs) == {"ingest", "ledgers_catalog", "derive_all"}, runs

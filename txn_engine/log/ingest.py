@@ -51,7 +51,15 @@ from pyspark.sql.utils import AnalysisException
 from py4j.protocol import Py4JJavaError
 
 from txn_engine.core.errors import InputFileError
-from txn_engine.log.input_files import REQUIRED_COLUMNS, _format_of, check_input_files, unknown_columns_error
+from txn_engine.log.input_files import (
+    _format_of,
+    check_input_files,
+    format_or_error,
+    missing_input,
+    no_input_in_folder,
+    check_columns,
+    unknown_columns_error,
+)
 from txn_engine.log.ledgers import immutable_ledgers, ledger_ranges
 from txn_engine.core.schema import (
     ENTRY_TYPES,
@@ -159,23 +167,14 @@ def resolve_sources(spark: SparkSession, paths: Sequence[str]) -> list[SourceFil
         hpath = jvm.org.apache.hadoop.fs.Path(raw)
         fs = hpath.getFileSystem(hadoop_conf)
         if not fs.exists(hpath):
-            raise InputFileError(f"input file {raw} does not exist; nothing was ingested")
+            raise missing_input(raw)
         qualified = str(fs.makeQualified(hpath).toString())
         if fs.getFileStatus(hpath).isDirectory():
             children = [str(st.getPath().toString()) for st in fs.listStatus(hpath) if st.isFile()]
-            found = [c for c in sorted(children) if _format_of(c)]
-            if not found:
-                raise InputFileError(
-                    f"folder {raw} holds no .jsonl, .csv or .parquet file; nothing was ingested"
-                )
+            found = [c for c in sorted(children) if _format_of(c)] or no_input_in_folder(raw)
             sources += [SourceFile(c, _format_of(c)) for c in found]
             continue
-        fmt = _format_of(raw)
-        if fmt is None:
-            raise InputFileError(
-                f"unknown format of {raw}: supported are .jsonl (or .ndjson/.json), .csv and "
-                ".parquet; rename the file or convert it. Nothing was ingested."
-            )
+        fmt = format_or_error(raw)
         try:
             fs.open(hpath).close()
         except Exception as exc:  # Py4J wraps the Java IOException
@@ -282,15 +281,7 @@ def _parse_csv(spark: SparkSession, lines: DataFrame, path: str) -> DataFrame:
     if first is None:
         raise InputFileError(f"{path} is empty: a CSV file needs a header row; nothing was ingested")
     header = [h.strip() for h in next(csv.reader([first["raw"]]))]
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if missing:
-        raise InputFileError(
-            f"{path} has no column(s) {', '.join(missing)} in its header; the header must name "
-            f"the ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
-        )
-    unknown = [c for c in header if c not in LEDGER_ENTRY_COLUMNS]
-    if unknown:
-        raise unknown_columns_error(path, unknown, " in its header")
+    check_columns(path, header, header=True)
     schema = StructType([StructField(f"c{i}", StringType(), True) for i in range(len(header))])
     body = lines.filter((F.col("line") > 1) & (F.trim("raw") != ""))
     parsed = body.withColumn("j", F.from_csv("raw", schema.simpleString(), {"mode": "PERMISSIVE"}))
@@ -342,15 +333,7 @@ def _read_parquet(spark: SparkSession, source: SourceFile) -> DataFrame:
         # cannot read otherwise; unsetting it could break a concurrent ingest of such a file.
         spark.conf.set(_NANOS_AS_LONG, "true")
     df = spark.read.parquet(source.path)
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        raise InputFileError(
-            f"{source.path} has no column(s) {', '.join(missing)}; a Parquet input needs the "
-            f"ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
-        )
-    unknown = [c for c in df.columns if c not in LEDGER_ENTRY_COLUMNS]
-    if unknown:
-        raise unknown_columns_error(source.path, unknown)
+    check_columns(source.path, df.columns)
 
     def column(c: str) -> Column:
         if c not in df.columns:

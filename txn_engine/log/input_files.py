@@ -11,7 +11,7 @@ import difflib
 import json
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from txn_engine.core.errors import InputFileError
 from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
@@ -61,21 +61,32 @@ def check_input_files(paths: Sequence[str]) -> None:
             continue
         path = Path(raw[5:] if raw.startswith("file:") else raw)
         if not path.exists():
-            raise InputFileError(f"input file {raw} does not exist; nothing was ingested")
+            raise missing_input(raw)
         if path.is_dir():
             found = sorted(p for p in path.iterdir() if p.is_file() and _format_of(p.name))
-            if not found:
-                raise InputFileError(f"folder {raw} holds no .jsonl, .csv or .parquet file; nothing was ingested")
-            for child in found:
+            for child in found or [no_input_in_folder(raw)]:
                 _check_file(child, _format_of(child.name))
             continue
-        fmt = _format_of(raw)
-        if fmt is None:
-            raise InputFileError(
-                f"unknown format of {raw}: supported are .jsonl (or .ndjson/.json), .csv and "
-                ".parquet; rename the file or convert it. Nothing was ingested."
-            )
-        _check_file(path, fmt)
+        _check_file(path, format_or_error(raw))
+
+
+def missing_input(raw: str) -> InputFileError:
+    return InputFileError(f"input file {raw} does not exist; nothing was ingested")
+
+
+def no_input_in_folder(raw: str) -> NoReturn:
+    raise InputFileError(f"folder {raw} holds no .jsonl, .csv or .parquet file; nothing was ingested")
+
+
+def format_or_error(raw: str) -> str:
+    """The format of an input file by its name, or the error naming the known ones."""
+    fmt = _format_of(raw)
+    if fmt is None:
+        raise InputFileError(
+            f"unknown format of {raw}: supported are .jsonl (or .ndjson/.json), .csv and "
+            ".parquet; rename the file or convert it. Nothing was ingested."
+        )
+    return fmt
 
 
 def _check_file(path: Path, fmt: str) -> None:
@@ -98,15 +109,7 @@ def _check_file(path: Path, fmt: str) -> None:
                                  "nothing was ingested") from None
         if rows == 0:
             raise InputFileError(f"input file {path} is empty: its Parquet footer counts 0 rows; nothing was ingested")
-        missing = [c for c in REQUIRED_COLUMNS if c not in schema.names]
-        if missing:
-            raise InputFileError(
-                f"{path} has no column(s) {', '.join(missing)}; a Parquet input needs the "
-                f"ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
-            )
-        unknown = [c for c in schema.names if c not in LEDGER_ENTRY_COLUMNS]
-        if unknown:
-            raise unknown_columns_error(str(path), unknown)
+        check_columns(str(path), schema.names)
         return
     # Text: a cut multi-byte character at the end of the sample is not an error.
     text = codecs.getincrementaldecoder("utf-8")()
@@ -126,6 +129,21 @@ def _check_file(path: Path, fmt: str) -> None:
             raise InputFileError(f"{path} is not JSONL: none of its first {len(lines[:SNIFF_LINES])} line(s) is a JSON "
                                  "object (one entry per line, e.g. {\"topic\": ..., \"ledger_id\": ...}); "
                                  "nothing was ingested")
+
+
+def check_columns(path: str, columns: Sequence[str], header: bool = False) -> None:
+    """An input's columns (a Parquet schema's, or a CSV `header`'s): the required ones there, no unknown one."""
+    where = " in its header" if header else ""
+    missing = [c for c in REQUIRED_COLUMNS if c not in columns]
+    if missing:
+        raise InputFileError(
+            f"{path} has no column(s) {', '.join(missing)}{where}; "
+            f"{'the header must name' if header else 'a Parquet input needs'} the "
+            f"ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
+        )
+    unknown = [c for c in columns if c not in LEDGER_ENTRY_COLUMNS]
+    if unknown:
+        raise unknown_columns_error(path, unknown, where)
 
 
 def _is_json_object(line: str) -> bool:
