@@ -48,10 +48,15 @@ def _with_kinds(spec: AssetSpec) -> AssetSpec:
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 
-# Each domain owns its assets, checks, jobs, partitions, sensors and schedules.
-DOMAINS = Definitions.merge(ledger.defs, transaction_buffer.defs, sql_models.defs, snapshots.defs, offload.defs, engine.defs)
-ALL_ASSETS = map_asset_specs(_with_kinds, list(DOMAINS.assets or ()))
-ALL_CHECKS = list(DOMAINS.asset_checks or ())
+def _domain_parts() -> tuple[list, ...]:
+    """Each domain owns its assets, checks, jobs, partitions, sensors and schedules: theirs merged.
+    In a function: Dagster refuses a module with two Definitions objects at its top level."""
+    merged = Definitions.merge(ledger.defs, transaction_buffer.defs, sql_models.defs, snapshots.defs, offload.defs, engine.defs)
+    return tuple(list(getattr(merged, kind) or ()) for kind in ("assets", "asset_checks", "jobs", "sensors", "schedules"))
+
+
+_DOMAIN_ASSETS, ALL_CHECKS, DOMAIN_JOBS, DOMAIN_SENSORS, DOMAIN_SCHEDULES = _domain_parts()
+ALL_ASSETS = map_asset_specs(_with_kinds, _DOMAIN_ASSETS)
 
 # Everything derived from what the warehouse already holds; ingest and the demo workload add data
 # (jobs of their own: `ingest`, `demo`) and are not assets.
@@ -124,9 +129,9 @@ ignore_dagsters_own_owners_warning()
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, *(DOMAINS.jobs or ()), maintenance_job],
-    sensors=DOMAINS.sensors,
-    schedules=[*(DOMAINS.schedules or ()), maintenance_schedule],
+    jobs=[derive_all_job, *DOMAIN_JOBS, maintenance_job],
+    sensors=DOMAIN_SENSORS,
+    schedules=[*DOMAIN_SCHEDULES, maintenance_schedule],
     resources=RESOURCES,
     executor=in_process_executor,
 )

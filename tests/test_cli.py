@@ -102,6 +102,13 @@ def test_errors_exit_non_zero_and_write_nothing(spark, warehouse_root, tmp_path,
     assert main(["ingest", str(odd)]) == 2
     assert "unknown format" in capsys.readouterr().err
     assert not (warehouse_root / "ledger_entries").exists()
+    # JSON objects, none of them a valid entry: everything quarantined, and the command says so and fails.
+    from tests.rows import entry, write_jsonl
+
+    bogus = write_jsonl(tmp_path / "bogus.jsonl", [{**entry("t", 1, i), "entry_type": "BOGUS"} for i in range(3)])
+    assert main(["ingest", "--quiet", str(bogus)]) == 1
+    out, err = capsys.readouterr()
+    assert "3 quarantined" in out and "warning: no valid row in the input (3 read, 3 quarantined)" in err
     assert main(["sql", str(tmp_path / "missing.sql")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:

@@ -47,7 +47,7 @@ def runs_by_job(instance) -> dict[str, list]:
 
 
 def test_cli_runs_are_named_reexecutable_runs(warehouse, warehouse_root, tmp_path, capsys, monkeypatch):
-    from dagster import DagsterInstance, DagsterRunStatus, ReexecutionOptions, execute_job
+    from dagster import DagsterInstance, DagsterRunStatus, ReexecutionOptions, RunsFilter, execute_job
     from dagster._utils.hosted_user_process import recon_job_from_origin
     from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
@@ -66,9 +66,10 @@ def test_cli_runs_are_named_reexecutable_runs(warehouse, warehouse_root, tmp_pat
     [ingest], [catalog], [derive] = runs["ingest"], runs["ledgers_catalog"], runs["derive_all"]
     assert ingest.tags[COMMAND_TAG] == f"txnlake ingest {data}" and derive.tags[COMMAND_TAG] == "txnlake run"
     for run in (ingest, catalog, derive):
-        assert run.status == DagsterRunStatus.SUCCESS
-        assert run.tags[REPOSITORY_TAG] == f"__repository__@{LOCATION_NAME}"
-        assert run.remote_job_origin.location_name == LOCATION_NAME
+        assert run.status == DagsterRunStatus.SUCCESS and run.remote_job_origin.location_name == LOCATION_NAME
+    # Stored with the code location's label, which the UI's job pages filter by.
+    labelled = instance.get_run_records(RunsFilter(tags={REPOSITORY_TAG: f"__repository__@{LOCATION_NAME}"}))
+    assert {r.dagster_run.run_id for r in labelled} == {ingest.run_id, catalog.run_id, derive.run_id}
     # derive_all over the ledger partitions as a range (one run), the catalog aside (its own run).
     assert derive.tags["dagster/asset_partition_range_start"] and derive.tags["dagster/asset_partition_range_end"]
     assert "ledgers" not in {k.to_user_string() for k in derive.asset_selection}
