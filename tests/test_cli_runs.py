@@ -96,7 +96,7 @@ def test_cli_runs_are_named_reexecutable_runs(warehouse, warehouse_root, tmp_pat
     with execute_job(recon_job_from_origin(catalog.job_code_origin), instance,
                      reexecution_options=ReexecutionOptions(parent_run_id=catalog.run_id)) as result:
         assert result.success and result.dagster_run.parent_run_id == catalog.run_id
-        assert result.dagster_run.tags[COMMAND_TAG] == "txnlake run"
+        assert result.dagster_run.job_name == "ledgers_catalog"
 
     # Snapshots: the first run takes them; the second has nothing to do.
     assert main(["snapshot"]) == 0
@@ -139,9 +139,9 @@ def test_a_run_waiting_for_the_buffer_says_so_and_an_interrupt_cancels_it(wareho
     seen = Seen()
     logging.getLogger("txnlake").addHandler(seen)
 
-    def interrupt():  # Ctrl-C once the command says it waits
+    def interrupt():  # SIGTERM (as Ctrl-C) once the command says it waits
         if waiting.wait(300):
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=interrupt, daemon=True).start()
     try:
