@@ -165,11 +165,10 @@ def _add_open_ledger_partitions(instance, wh) -> list[str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from dagster import AssetKey
 
-    from assets.partitions import LEDGER_PARTITIONS, partition_spans
-    from assets.transaction_buffer.sensors import BUFFER_SELECTION, closed_ledgers_of
+    from assets.partitions import LEDGER_PARTITIONS
+    from assets.transaction_buffer.sensors import BUFFER_SELECTION, buffer_range_to_run
     from pipelines.definitions import DERIVED_SELECTION, defs, derive_all_pending
     from txn_engine.core.errors import TableMissingError
-    from txn_engine.core.positions import ledger_partition_key
     from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
     from txn_engine.log.ledgers import stale_catalog
 
@@ -187,17 +186,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     runs = []
     if stale_catalog(wh) is not None:
         runs.append(_run("ledgers_catalog", instance))
-    # The buffer is partitioned by closed ledger: add the newly closed ones, then run the range of
-    # those it has not computed (incremental); a run over every partition is a full recompute.
+    # The buffer is partitioned by closed ledger: add the newly closed ones, then run the range the
+    # buffer needs (incremental; the first run's range is every partition: a full recompute).
     _add_closed_ledger_partitions(instance, wh)
     keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) or _add_open_ledger_partitions(instance, wh)
     graph = defs.resolve_asset_graph()
     rest = DERIVED_SELECTION.resolve(graph) - {AssetKey(LEDGERS)}
     if keys:
-        todo = {ledger_partition_key(int(name.rsplit("/", 1)[1])) for name in closed_ledgers_of(wh, instance).to_run}
-        # Nothing closed to compute (an OPEN ledger grew): the last partition's run catches up the rest.
-        [span] = partition_spans(keys, (todo & set(keys)) or {keys[-1]}, contiguous=False)
-        runs.append(_run("derive_all", instance, asset_selection=rest, partition_range=span))
+        runs.append(_run("derive_all", instance, asset_selection=rest, partition_range=buffer_range_to_run(wh, instance)))
     else:
         _command.console.line("no ledger yet: the transaction buffer tables (and the models reading them) wait for one")
         runs.append(_run("derive_all", instance, asset_selection=rest - BUFFER_SELECTION.downstream().resolve(graph)))
