@@ -20,9 +20,8 @@ _STEP_EVENTS = {"STEP_START": "started", "STEP_SUCCESS": "done", "STEP_SKIPPED":
 
 def spark_progress() -> str | None:
     """Spark's running stages and their tasks, when this process has a session; None otherwise."""
-    from resources.spark import running_session
-
-    session = running_session()
+    spark = sys.modules.get("resources.spark")  # not imported: no session (and no import from here)
+    session = spark.running_session() if spark is not None else None
     if session is None:
         return None
     try:
@@ -40,9 +39,10 @@ def spark_progress() -> str | None:
 class Console:
     """The command's stage lines (stderr), timed from the command's start."""
 
-    def __init__(self, quiet: bool = False, stream=None):
+    def __init__(self, quiet: bool = False, stream=None, heartbeat_s: float = HEARTBEAT_S):
         self.quiet = quiet
         self.stream = stream
+        self.heartbeat_s = heartbeat_s
         self.started = time.monotonic()
         self.last = self.started
         self.stage: str | None = None
@@ -73,8 +73,8 @@ class Console:
             logger.removeHandler(handler)
 
     def _beat(self) -> None:
-        while not self._stop.wait(1.0):
-            if time.monotonic() - self.last >= HEARTBEAT_S and self.stage:
+        while not self._stop.wait(min(1.0, self.heartbeat_s / 2)):
+            if time.monotonic() - self.last >= self.heartbeat_s and self.stage:
                 self.line(f"{self.stage}: working ({spark_progress() or 'in Python'})")
 
     def dagster_logger(self):
