@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 import time
 
 import pytest
 
 from pipelines.progress import Console
+from tests.threads import held_elsewhere
 from txn_engine.storage.locks import TableLockTimeout, table_lock
 
 
@@ -33,24 +33,10 @@ def test_a_quiet_stage_gets_a_heartbeat_and_quiet_prints_nothing():
 
 def test_a_writer_waiting_for_a_lock_says_for_what_and_whom(tmp_path):
     lock = tmp_path / "_locks" / "ledger_entries.lock"
-    held, release = threading.Event(), threading.Event()
-
-    def holder():
-        with table_lock(lock):
-            held.set()
-            release.wait(30)
-
-    thread = threading.Thread(target=holder)
-    thread.start()
-    held.wait(30)
     out = io.StringIO()
-    try:
-        with Console(stream=out, heartbeat_s=60):
-            with pytest.raises(TableLockTimeout, match="another txnlake process is writing"):
-                with table_lock(lock, timeout_s=0.5):
-                    pass
-    finally:
-        release.set()
-        thread.join(30)
+    with held_elsewhere(lambda: table_lock(lock)), Console(stream=out, heartbeat_s=60):
+        with pytest.raises(TableLockTimeout, match="another txnlake process is writing"):
+            with table_lock(lock, timeout_s=0.5):
+                pass
     [line] = out.getvalue().splitlines()
     assert f"waiting for the lock of table ledger_entries ({lock}, held by process " in line

@@ -15,6 +15,7 @@ from pathlib import Path
 from pipelines.cli import DAGSTER_YAML, main
 from pipelines.runs import COMMAND_TAG, LOCATION_NAME
 from tests.rows import entry, write_jsonl
+from tests.threads import held_elsewhere
 
 REPO = Path(__file__).resolve().parent.parent
 # The UI's re-execution is queued (no daemon here launches it): what the test checks is that the UI
@@ -119,37 +120,25 @@ def test_a_run_waiting_for_the_buffer_says_so_and_an_interrupt_cancels_it(wareho
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     assert main(["ingest", str(write_jsonl(tmp_path / "t.jsonl", HISTORY))]) == 0
     capsys.readouterr()
-    # Another buffer run holds the lock (a thread here: a flock serializes threads too).
-    held, release, waiting = threading.Event(), threading.Event(), threading.Event()
-
-    def other_run():
-        with buffer_lock(warehouse):
-            held.set()
-            release.wait(300)
-
-    holder = threading.Thread(target=other_run)
-    holder.start()
-    held.wait(60)
+    waiting = threading.Event()
 
     class Seen(logging.Handler):
         def emit(self, record):
             if "waiting for the lock" in record.getMessage():
                 waiting.set()
 
-    seen = Seen()
-    logging.getLogger("txnlake").addHandler(seen)
-
     def interrupt():  # SIGTERM (as Ctrl-C) once the command says it waits
         if waiting.wait(300):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    threading.Thread(target=interrupt, daemon=True).start()
+    seen = Seen()
+    logging.getLogger("txnlake").addHandler(seen)
     try:
-        assert main(["run"]) == 130
+        with held_elsewhere(lambda: buffer_lock(warehouse)):  # another buffer run
+            threading.Thread(target=interrupt, daemon=True).start()
+            assert main(["run"]) == 130
     finally:
         logging.getLogger("txnlake").removeHandler(seen)
-        release.set()
-        holder.join(60)
     err = capsys.readouterr().err
     assert "waiting for the lock of the transaction buffer of this warehouse" in err and "held by process" in err
     [line] = [line for line in err.splitlines() if line.startswith("interrupted")]
