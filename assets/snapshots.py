@@ -7,6 +7,7 @@ as a broker does, so a run with nothing due only refreshes the state and the rec
 """
 
 
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -183,11 +184,13 @@ snapshot_job = define_asset_job(
 )
 
 
-def snapshots_pending(wh: Warehouse) -> list[str]:
+def snapshots_pending(wh: Warehouse, triggers: TriggerConfig = TriggerConfig(), now: float | None = None) -> list[str]:
     """Why a `take_snapshots` run (not forced) has work, empty when it would change nothing: its
-    tables exist, no topic is due, unfinished or has changes an interval could make due later, and
-    nothing it reads changed after the recovery it wrote. Read by delta-rs (commit infos, the state)."""
+    tables exist, no topic is due now by `triggers` (the state's changes and last snapshot time) or
+    unfinished, and nothing it reads changed after the state and recovery it wrote. Read by delta-rs."""
     from txn_engine.core.schema import DELETED_LEDGERS, TXN_SNAPSHOT_STATE_SCHEMA
+
+    now = time.time() if now is None else now
 
     tables = DeltaTables(wh)
     written = {t: tables.last_commit(t) for t in (TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE)}
@@ -195,9 +198,15 @@ def snapshots_pending(wh: Warehouse) -> list[str]:
     if missing:
         return [f"table {', '.join(missing)} does not exist yet"]
     states = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA,
-                         ["topic", "state", "due", "changes_since_snapshot"]).to_pylist()
-    waiting = [r["topic"] for r in states if r["due"] or r["state"] == "INITIALIZING" or r["changes_since_snapshot"]]
-    reasons = [f"{len(waiting)} topic(s) due or with changes since their snapshot: {', '.join(sorted(waiting)[:5])}"] if waiting else []
+                         ["topic", "state", "due", "changes_since_snapshot", "last_snapshot_at"]).to_pylist()
+
+    def due_now(r) -> bool:  # snapshot_states' triggers, at `now`
+        changes, last = r["changes_since_snapshot"] or 0, r["last_snapshot_at"]
+        return (r["due"] or r["state"] != "READY" or changes >= triggers.max_changes
+                or (changes > 0 and (last is None or now - last.timestamp() >= triggers.interval_seconds)))
+
+    due = sorted(r["topic"] for r in states if due_now(r))
+    reasons = [f"{len(due)} topic(s) due for a snapshot: {', '.join(due[:5])}"] if due else []
     # The segments are written (and compacted) by the run itself, before its recovery.
     since = {source: int(written[TXN_SNAPSHOT_STATE]["timestamp"]) for source in
              (LEDGER_ENTRIES, STABLE_POSITIONS, ABORTED_TXNS, DELETED_LEDGERS)}

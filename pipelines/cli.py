@@ -218,6 +218,7 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
 
     from assets.snapshots import SnapshotRunConfig, snapshots_pending
     from txn_engine.snapshots.format import SnapshotConfig
+    from txn_engine.snapshots.jobs import TriggerConfig
 
     config = {"force": args.force}
     if args.max_aborts_per_segment is not None:
@@ -227,10 +228,11 @@ def cmd_snapshot(args: argparse.Namespace) -> int:
     bounds = SnapshotRunConfig(**config)
     SnapshotConfig(bounds.max_aborts_per_segment, bounds.max_segment_bytes)  # a bad bound fails here, before any run
     if not args.force:
-        pending = snapshots_pending(_open_warehouse())
+        pending = snapshots_pending(_open_warehouse(), TriggerConfig(bounds.max_changes, bounds.interval_seconds))
         if not pending:
-            print("nothing to do: no topic is due for a snapshot or has changes since its last one, and nothing the "
-                  "recovery reads changed since the last snapshot run (nothing was recorded; --force snapshots anyway)")
+            print("nothing to do: no topic is due for a snapshot (by changes or interval since its last one) and "
+                  "nothing the recovery reads changed since the last snapshot run (nothing was recorded; --force "
+                  "snapshots anyway)")
             return 0
         _command.console.line("to do: " + "; ".join(pending[:3]))
     result = _run("take_snapshots", run_config={"ops": {"txn_snapshot_segments": {"config": config}}})
