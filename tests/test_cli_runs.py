@@ -21,9 +21,12 @@ REPO = Path(__file__).resolve().parent.parent
 # The UI's re-execution is queued (no daemon here launches it): what the test checks is that the UI
 # accepts it, for the named job, with the parent's selection and tags.
 QUEUED = "run_coordinator:\n  module: dagster._core.run_coordinator\n  class: QueuedRunCoordinator\n"
-# Topic "t": ledger 1 (closed) holds a committed and an aborted transaction; ledger 2 is OPEN.
+# Topic "t": ledger 1 (closed) holds a committed and an aborted transaction; ledger 2 is OPEN, with
+# a transaction still open (2:1) and one committed after it: a marker past the stable position, a
+# change the snapshot interval (not the command) makes due.
 HISTORY = [entry("t", 1, 0, txn=(0, 1)), entry("t", 1, 1, txn=(0, 2)), entry("t", 1, 2, "COMMIT", txn=(0, 1)),
-           entry("t", 1, 3, "ABORT", txn=(0, 2)), entry("t", 2, 0, producer=5, seq=0)]
+           entry("t", 1, 3, "ABORT", txn=(0, 2)), entry("t", 2, 0, producer=5, seq=0), entry("t", 2, 1, txn=(0, 3)),
+           entry("t", 2, 2, txn=(0, 4)), entry("t", 2, 3, "COMMIT", txn=(0, 4))]
 REPOSITORY_TAG = ".dagster/repository"  # what the UI's job pages filter runs by
 
 RUNS_QUERY = """query($job: String!, $repository: String!) {
@@ -107,6 +110,10 @@ def test_cli_runs_are_named_reexecutable_runs(warehouse, warehouse_root, tmp_pat
     assert main(["snapshot"]) == 0
     assert capsys.readouterr().out.startswith("nothing to do: no topic is due")
     assert runs_by_job(instance) == before
+    # The commit past the open transaction is a change: once the interval has passed, "t" is due.
+    from assets.snapshots import snapshots_pending
+
+    assert snapshots_pending(warehouse, now=time.time() + 3600) == ["1 topic(s) due for a snapshot: t"]
 
 
 def test_a_run_waiting_for_the_buffer_says_so_and_an_interrupt_cancels_it(warehouse, warehouse_root, tmp_path, capsys,
