@@ -64,6 +64,7 @@ bench: setup
 ## first (`pipelines.cli.ensure_pool_limits`: Dagster 1.13 makes it too late on a new home).
 ui: setup $(DAGSTER_HOME)/dagster.yaml
 	@$(PY) -c 'import pipelines.cli as c; c.prepare_instance()'
+	@echo "(dagster dev warns that it is superseded by 'dg dev', from the dagster-dg package this project does not install: it works as it is)"
 	$(VENV)/bin/dagster dev -w workspace.yaml
 
 clean-warehouse:

@@ -7,6 +7,7 @@ as a broker does, so a run with nothing due only refreshes the state and the rec
 """
 
 
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -181,6 +182,40 @@ snapshot_job = define_asset_job(
     selection=AssetSelection.assets(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE),
     description="Snapshot the topics that are due, compact the segments, refresh the state and the recovery.",
 )
+
+
+def snapshots_pending(wh: Warehouse, triggers: TriggerConfig = TriggerConfig(), now: float | None = None) -> list[str]:
+    """Why a `take_snapshots` run (not forced) has work, empty when it would change nothing: its
+    tables exist, no topic is due now by `triggers` (the state's changes and last snapshot time) or
+    unfinished, and nothing it reads changed after the state and recovery it wrote. Read by delta-rs."""
+    from txn_engine.core.schema import DELETED_LEDGERS, TXN_SNAPSHOT_STATE_SCHEMA
+
+    now = time.time() if now is None else now
+
+    tables = DeltaTables(wh)
+    written = {t: tables.last_commit(t) for t in (TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE)}
+    missing = [t for t, commit in written.items() if commit is None]
+    if missing:
+        return [f"table {', '.join(missing)} does not exist yet"]
+    states = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA,
+                         ["topic", "state", "due", "changes_since_snapshot", "last_snapshot_at"]).to_pylist()
+
+    def due_now(r) -> bool:  # snapshot_states' triggers, at `now`
+        changes, last = r["changes_since_snapshot"] or 0, r["last_snapshot_at"]
+        return (r["due"] or r["state"] != "READY" or changes >= triggers.max_changes
+                or (changes > 0 and (last is None or now - last.timestamp() >= triggers.interval_seconds)))
+
+    due = sorted(r["topic"] for r in states if due_now(r))
+    reasons = [f"{len(due)} topic(s) due for a snapshot: {', '.join(due[:5])}"] if due else []
+    # The segments are written (and compacted) by the run itself, before its recovery.
+    since = {source: int(written[TXN_SNAPSHOT_STATE]["timestamp"]) for source in
+             (LEDGER_ENTRIES, STABLE_POSITIONS, ABORTED_TXNS, DELETED_LEDGERS)}
+    since[TXN_SNAPSHOT_SEGMENTS] = int(written[RECOVERED_BUFFER_STATE]["timestamp"])
+    for source, after in since.items():
+        change = tables.last_change(source)
+        if change is not None and int(change["timestamp"]) > after:
+            reasons.append(f"{source} changed (version {change.get('version')}) after the last snapshot run")
+    return reasons
 
 
 def delta_version_on_disk(table_path: str) -> int | None:

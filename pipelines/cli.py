@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import signal
 import sys
 import time
-import uuid
 from typing import Sequence
 
+from pipelines.arguments import non_negative
+from pipelines.progress import Console
 from pipelines.txn_cli import add_txn_parser, run_txn_command
 from txn_engine.core.errors import TxnlakeError
 
@@ -67,79 +69,27 @@ def _open_warehouse():
     return RESOURCES["warehouse"].open(RESOURCES["spark"].session)
 
 
-def _user_error_names() -> set[str]:
-    names, todo = set(), [TxnlakeError]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return names
+def _run(job_name: str, instance=None, **kwargs):
+    """Run the named job of the code location (`pipelines.runs.run_job`) in this process, tagged with
+    this command line, its steps told on the console."""
+    from pipelines.runs import command_tags, run_job
+
+    return run_job(job_name, instance or _instance(), tags={**command_tags(_command.argv), **kwargs.pop("tags", {})},
+                   loggers={"console": _command.console.dagster_logger()}, **kwargs)
 
 
-def _is_user_error_failure(record) -> bool:
-    """A step's or run's failure log record whose error is a TxnlakeError (a user error the CLI
-    prints as one line); unexpected errors keep their traces."""
-    from dagster import DagsterEventType
-    from dagster._core.log_manager import LOG_RECORD_METADATA_ATTR
+class _Command:
+    """This command's line (run tags) and console (stage lines), set by `main`."""
 
-    event = (getattr(record, LOG_RECORD_METADATA_ATTR, None) or {}).get("dagster_event")
-    if event is None or event.event_type not in (DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE):
-        return False
-    error = getattr(event.event_specific_data, "error", None)
-    # A step failure wraps the user's exception as its cause; a run failure is the exception itself.
-    if error is not None and error.cls_name == "DagsterExecutionStepExecutionError":
-        error = error.cause
-    return error is not None and error.cls_name in _user_error_names()
+    argv: list[str] = []
+    console = Console(quiet=True)
 
 
-def _console_logger():
-    """Dagster's console logger without the stack traces of user errors."""
-    from dagster import LoggerDefinition, colored_console_logger
-
-    def make(init_context):
-        log = colored_console_logger.logger_fn(init_context)
-        log.addFilter(lambda record: not _is_user_error_failure(record))
-        return log
-
-    return LoggerDefinition(make, config_schema=colored_console_logger.config_schema,
-                            description=colored_console_logger.description)
+_command = _Command()
 
 
-def _materialize(selection, run_config: dict | None = None, instance=None, tags: dict | None = None,
-                 partition_key: str | None = None):
-    """Materialize assets in this process (one SparkSession), unwrapping user errors (`_execute`)."""
-    from dagster import define_asset_job
-    from dagster._core.definitions.materialize import EPHEMERAL_JOB_NAME
-
-    return _execute(define_asset_job(EPHEMERAL_JOB_NAME, selection=selection), run_config, instance, tags, partition_key)
-
-
-def _execute(job, run_config: dict | None = None, instance=None, tags: dict | None = None,
-             partition_key: str | None = None):
-    """Run `job` (an asset job, or an op job such as `ingest`) in this process with our console
-    logger: a user error (TxnlakeError) is raised as itself, its message naming what to do, with a
-    note of the run that holds the full log."""
-    from dagster import DagsterExecutionStepExecutionError, Definitions
-
-    from pipelines.definitions import ALL_ASSETS, ALL_CHECKS, RESOURCES
-
-    instance = instance or _instance()
-    config = {"loggers": {"console": {"config": {"log_level": "INFO"}}}, **(run_config or {})}
-    defs = Definitions(jobs=[job], assets=[*ALL_ASSETS, *ALL_CHECKS], resources=RESOURCES, loggers={"console": _console_logger()})
-    run_id = str(uuid.uuid4())
-    try:
-        return defs.resolve_job_def(job.name).execute_in_process(
-            run_config=config, instance=instance, partition_key=partition_key, tags=tags, run_id=run_id,
-        )
-    except Exception as exc:
-        # In process, Dagster raises the asset's own exception (or wraps it in a step error).
-        cause = (exc.user_exception or exc.__cause__) if isinstance(exc, DagsterExecutionStepExecutionError) else exc
-        if isinstance(cause, TxnlakeError):
-            where = ("an ephemeral Dagster instance" if instance.is_ephemeral
-                     else f"the Dagster instance at {instance.root_directory} (`make ui` shows it)")
-            cause.add_note(f"run {run_id} failed; its full log is in {where}")
-            raise cause from None
-        raise
+def _meta(event) -> dict:
+    return {k: getattr(v, "value", v) for k, v in event.event_specific_data.materialization.metadata.items()}
 
 
 def _print_materializations(*results) -> None:
@@ -158,12 +108,10 @@ def _print_materializations(*results) -> None:
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
-    from assets.ledger import ingest_job
     from txn_engine.log.ingest import gap_warnings
 
-    result = _execute(ingest_job, {"ops": {"ingest_ledger_entries": {"config": {"paths": list(args.paths)}}}})
-    events = result.get_asset_materialization_events()
-    meta = {k: getattr(v, "value", v) for k, v in events[0].event_specific_data.materialization.metadata.items()}
+    result = _run("ingest", run_config={"ops": {"ingest_ledger_entries": {"config": {"paths": list(args.paths)}}}})
+    meta = _meta(result.get_asset_materialization_events()[0])
     print(
         f"ingested {len(meta['files'])} file(s): {meta['rows_read']} rows read, "
         f"{meta['rows_written']} appended, {meta['rows_already_present']} already present, "
@@ -175,7 +123,18 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     for line in gap_warnings(meta["entry_id_gaps"]):
         print(line)
     _print_materializations(result)
+    valid = meta["rows_written"] + meta["rows_already_present"] + meta["rows_repeated_in_input"] + meta["rows_in_deleted_ledgers"]
+    if valid == 0:
+        print(f"warning: no valid row in the input ({meta['rows_read']} read, {meta['rows_quarantined']} quarantined): "
+              "nothing was added; see quarantine_entries for each row's rule and reason", file=sys.stderr)
+        return 1
     return 0
+
+
+def _check_input_files(args: argparse.Namespace) -> None:
+    from txn_engine.log.input_files import check_input_files
+
+    check_input_files(args.paths)  # in Python, before Spark, the warehouse and the run
 
 
 def _add_closed_ledger_partitions(instance, wh) -> None:
@@ -187,7 +146,7 @@ def _add_closed_ledger_partitions(instance, wh) -> None:
     new = closed_ledgers_of(wh, instance).new_keys
     if new:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
-        print(f"  {len(new)} newly closed ledger(s) added as ledger partitions (transaction buffer, offload tier)")
+        _command.console.line(f"{len(new)} newly closed ledger(s) added as ledger partitions")
 
 
 def _add_open_ledger_partitions(instance, wh) -> list[str]:
@@ -199,41 +158,47 @@ def _add_open_ledger_partitions(instance, wh) -> list[str]:
     keys = [ledger_partition_key(i) for i in open_ledger_ids(wh)]
     if keys:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
-        print(f"  no closed ledger yet: the {len(keys)} OPEN ledger(s) added as ledger partitions")
+        _command.console.line(f"no closed ledger yet: the {len(keys)} OPEN ledger(s) added as ledger partitions")
     return keys
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from pipelines.definitions import DERIVED_SELECTION
+    from dagster import AssetKey
 
-    from dagster import AssetSelection
-
-    from assets.partitions import LEDGER_PARTITIONS, range_tags
-    from assets.transaction_buffer.sensors import BUFFER_SELECTION
-    from txn_engine.core.schema import LEDGERS
+    from assets.partitions import LEDGER_PARTITIONS
+    from assets.transaction_buffer.sensors import BUFFER_SELECTION, buffer_range_to_run
+    from pipelines.definitions import DERIVED_SELECTION, defs, derive_all_pending
+    from txn_engine.core.errors import TableMissingError
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
+    from txn_engine.log.ledgers import stale_catalog
 
     started = time.perf_counter()
-    print("materializing every derived asset over the warehouse, in this process ...", flush=True)
-    instance = _instance()  # one instance: the ledger partitions added below must be seen by the run
-    catalog = _materialize(AssetSelection.assets(LEDGERS), instance=instance)
-    # The transaction buffer is partitioned by closed ledger: add the newly closed ones, then run
-    # the whole range (a full recompute; the OPEN ledgers are included by every buffer run).
-    wh = _open_warehouse()
+    instance, wh = _instance(), _open_warehouse()  # one instance: the partitions added below are the run's
+    if not wh.exists(LEDGER_ENTRIES):
+        raise TableMissingError(f"table {LEDGER_ENTRIES} does not exist yet at {wh.path(LEDGER_ENTRIES)}: nothing to "
+                                "derive from; ingest a ledger file first (`txnlake ingest FILE`)")
+    pending = derive_all_pending(wh, instance)
+    if not pending:
+        print("nothing to do: the `ledgers` catalog is fresh, the transaction buffer holds every ledger at its "
+              "current length and every derived table is newer than what it reads (nothing was recorded)")
+        return 0
+    _command.console.line("to do: " + "; ".join(pending[:3]) + ("; ..." if len(pending) > 3 else ""))
+    runs = []
+    if stale_catalog(wh) is not None:
+        runs.append(_run("ledgers_catalog", instance))
+    # The buffer is partitioned by closed ledger: add the newly closed ones, then run the range the
+    # buffer needs (incremental; the first run's range is every partition: a full recompute).
     _add_closed_ledger_partitions(instance, wh)
-    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
-    if not keys:
-        # Every ledger still OPEN (a log's first ledgers): they become the partitions, so the buffer
-        # has a range to run over and every topic gets its stable position now.
-        keys = _add_open_ledger_partitions(instance, wh)
-    rest = DERIVED_SELECTION - AssetSelection.assets(LEDGERS)
+    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) or _add_open_ledger_partitions(instance, wh)
+    graph = defs.resolve_asset_graph()
+    rest = DERIVED_SELECTION.resolve(graph) - {AssetKey(LEDGERS)}
     if keys:
-        result = _materialize(rest, instance=instance, tags=range_tags(keys[0], keys[-1]))
+        runs.append(_run("derive_all", instance, asset_selection=rest, partition_range=buffer_range_to_run(wh, instance)))
     else:
-        print("  no ledger yet: the transaction buffer tables (and the models reading them) wait for one")
-        result = _materialize(rest - BUFFER_SELECTION.downstream(), instance=instance)
+        _command.console.line("no ledger yet: the transaction buffer tables (and the models reading them) wait for one")
+        runs.append(_run("derive_all", instance, asset_selection=rest - BUFFER_SELECTION.downstream().resolve(graph)))
     print(f"done in {time.perf_counter() - started:.1f}s:")
-    _print_materializations(catalog)
-    _print_materializations(result)
+    _print_materializations(*runs)
     return 0
 
 
@@ -241,6 +206,7 @@ def cmd_sql(args: argparse.Namespace) -> int:
     from txn_engine.sql.models import load_model, run_model
 
     model = load_model(args.file)
+    _command.console.begin(f"running {model.name}")
     print(f"-- {model.name}: reads {', '.join(model.reads) or 'no table'}")
     result = run_model(_open_warehouse(), model)
     result.show(args.limit, truncate=False)
@@ -248,16 +214,28 @@ def cmd_sql(args: argparse.Namespace) -> int:
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
-    from dagster import AssetCheckSeverity, AssetSelection
+    from dagster import AssetCheckSeverity
 
-    from assets.snapshots import GROUP
+    from assets.snapshots import SnapshotRunConfig, snapshots_pending
+    from txn_engine.snapshots.format import SnapshotConfig
+    from txn_engine.snapshots.jobs import TriggerConfig
 
     config = {"force": args.force}
     if args.max_aborts_per_segment is not None:
         config["max_aborts_per_segment"] = args.max_aborts_per_segment
     if args.max_segment_bytes is not None:
         config["max_segment_bytes"] = args.max_segment_bytes
-    result = _materialize(AssetSelection.groups(GROUP), {"ops": {"txn_snapshot_segments": {"config": config}}})
+    bounds = SnapshotRunConfig(**config)
+    SnapshotConfig(bounds.max_aborts_per_segment, bounds.max_segment_bytes)  # a bad bound fails here, before any run
+    if not args.force:
+        pending = snapshots_pending(_open_warehouse(), TriggerConfig(bounds.max_changes, bounds.interval_seconds))
+        if not pending:
+            print("nothing to do: no topic is due for a snapshot (by changes or interval since its last one) and "
+                  "nothing the recovery reads changed since the last snapshot run (nothing was recorded; --force "
+                  "snapshots anyway)")
+            return 0
+        _command.console.line("to do: " + "; ".join(pending[:3]))
+    result = _run("take_snapshots", run_config={"ops": {"txn_snapshot_segments": {"config": config}}})
     _print_materializations(result)
     failed = False
     for check in result.get_asset_check_evaluations():
@@ -279,11 +257,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from assets.engine import DEMO_WORKLOAD, demo_job
+    from assets.engine import DEMO_WORKLOAD
 
     config = {"producers": args.producers, "transactions_per_producer": args.transactions, "seed": args.seed}
-    result = _execute(demo_job, {"ops": {DEMO_WORKLOAD: {"config": config}}})
-    print("demo workload through the engine:", result.output_for_node(DEMO_WORKLOAD))
+    result = _run("demo", run_config={"ops": {DEMO_WORKLOAD: {"config": config}}})
+    [event] = result.get_asset_materialization_events()
+    print("demo workload through the engine:", _meta(event)["demo_outcome"])
     _print_materializations(result)
     return 0
 
@@ -333,15 +312,15 @@ def cmd_read(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise TxnlakeError(str(exc)) from None
     wh = _open_warehouse()
+    # An unknown topic is told by delta-rs (the catalog, ledger_entries' statistics), before any read.
+    known = known_topics(wh)
+    if args.topic not in known:
+        listed = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
+        raise TxnlakeError(f"unknown topic {args.topic!r}; the warehouse has "
+                           + (f"{len(known)} topic(s): {listed}" if known else "no topic yet (`txnlake ingest FILE`)"))
     reader = TopicReader(wh)
+    _command.console.begin(f"reading {args.topic}")
     batch = reader.read(args.topic, start, args.max)
-    if not batch.entries:
-        # Nothing read: say so when the topic is unknown, rather than print an empty topic.
-        known = known_topics(wh)
-        if args.topic not in known:
-            listed = ", ".join(sorted(known)[:20]) + (", ..." if len(known) > 20 else "")
-            raise TxnlakeError(f"unknown topic {args.topic!r}; the warehouse has "
-                               + (f"{len(known)} topic(s): {listed}" if known else "no topic yet (`txnlake ingest FILE`)"))
     for e in batch.entries:
         print(entry_line(e))
     nxt = batch.next_position
@@ -357,28 +336,26 @@ def _refresh_stale_catalog(instance, wh) -> None:
     """Materialize `ledgers` when it is stale (`txn_engine.log.ledgers.stale_catalog`, the predicate
     `ledgers_closed_sensor` decides with too: missing, or older than what it is derived from, e.g. an
     ingest since the last `txnlake run`), and add its newly closed ledgers as partitions."""
-    from dagster import AssetSelection
-
     from txn_engine.log.ledgers import stale_catalog
-    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
+    from txn_engine.core.schema import LEDGER_ENTRIES
 
     if not wh.exists(LEDGER_ENTRIES):
         raise wh.missing(LEDGER_ENTRIES)
     if stale_catalog(wh) is not None:
-        _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))
+        _print_materializations(_run("ledgers_catalog", instance))
     _add_closed_ledger_partitions(instance, wh)
 
 
 def cmd_offload(args: argparse.Namespace) -> int:
-    from dagster import AssetKey, AssetSelection
+    from dagster import AssetSelection
 
-    from assets.offload import OFFLOAD_SELECTION
-    from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags
+    from assets.partitions import LEDGER_PARTITIONS, partition_spans
+    from pipelines.definitions import defs
+    from pipelines.runs import ASSET_JOB
     from txn_engine.core.errors import TableMissingError
     from txn_engine.log.ledgers import catalog_rows
     from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
     from txn_engine.core.positions import ledger_partition_key
-    from txn_engine.tier.reader import views_behind_log
     from txn_engine.core.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
     started = time.perf_counter()
@@ -386,18 +363,30 @@ def cmd_offload(args: argparse.Namespace) -> int:
     _refresh_stale_catalog(instance, wh)
     waiting: dict[str, str] = {}
     if args.ledgers:
-        keys = set()
+        keys, done = set(), []
         for row in catalog_rows(wh, args.ledgers):
             if row["state"] == "OPEN":  # not a partition (those are closed ledgers): nothing to run
                 waiting[f"{row['topic']}/{row['ledger_id']}"] = "ledger is OPEN"
+            elif row["state"] in ("OFFLOADED", "DELETED"):  # the tier holds it (or retention deleted it)
+                done.append(f"{row['topic']}/{row['ledger_id']} ({row['state']})")
             else:
                 keys.add(ledger_partition_key(row["ledger_id"]))
+        if done:
+            print(f"  already offloaded: {', '.join(done)}")
     else:
         if not wh.exists(STABLE_POSITIONS):
             raise TableMissingError(f"table {STABLE_POSITIONS} does not exist yet at {wh.path(STABLE_POSITIONS)}: which "
                                     "ledgers are eligible depends on it; materialize the transaction buffer first (`txnlake run`).")
         # As the offload sensor chooses: eligible by the stored stable positions, not offloaded yet.
         keys = {ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)}
+    if not keys:
+        for key, reason in sorted(waiting.items()):
+            print(f"  waiting   {key}: {reason}")
+        why = ("every named ledger is offloaded already, or OPEN" if args.ledgers else
+               "no ledger is CLOSED, at or below its topic's stable position and not offloaded yet")
+        print(f"nothing to do: {why} (nothing was recorded)")
+        _note_views_behind(wh)
+        return 0
     known = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
     missing = sorted(keys - set(known))
     if missing:
@@ -409,8 +398,8 @@ def cmd_offload(args: argparse.Namespace) -> int:
     runs = []
     for first, last in spans:
         try:
-            runs.append(_materialize(OFFLOAD_SELECTION, instance=instance, partition_key=first) if first == last
-                        else _materialize(OFFLOAD_SELECTION, instance=instance, tags=range_tags(first, last)))
+            runs.append(_run("offload", instance, partition_key=first) if first == last
+                        else _run("offload", instance, partition_range=(first, last)))
         except OffloadWaitingError as exc:  # every ledger of the range waits: its run failed, recording nothing
             waiting.update(exc.waiting)
 
@@ -443,11 +432,12 @@ def cmd_offload(args: argparse.Namespace) -> int:
     # The tier's checks follow the offload outputs: no run evaluated them when there was none, or
     # when each held a waiting ledger (its outputs skipped, see assets.offload.offload_tier).
     if not any(run.get_asset_check_evaluations() for run in runs) and wh.exists(OFFLOAD_MANIFEST):
-        runs.append(_materialize(AssetSelection.checks_for_assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST), instance=instance))
+        checks = AssetSelection.checks_for_assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST).resolve_checks(defs.resolve_asset_graph())
+        runs.append(_run("offload", instance, asset_selection=set(), asset_check_selection=checks))
     if offloaded or recovered or any(m["recovered"]["states_recorded"] for m in metas):
         # What the offload changed: the catalog's states (OFFLOADED), and the models over it and the tier.
         refreshed = [LEDGERS, "ledger_sizes", *(["tier_sizes"] if wh.exists(OFFLOAD_MANIFEST) else [])]
-        runs.append(_materialize(AssetSelection.assets(*map(AssetKey, refreshed)), instance=instance))
+        runs.append(_run(ASSET_JOB, instance, asset_selection=refreshed))
     _print_materializations(*runs)
     # A check evaluated in several runs: failed when any run failed it.
     checks: dict[str, bool] = {}
@@ -455,27 +445,31 @@ def cmd_offload(args: argparse.Namespace) -> int:
         checks[check.check_name] = checks.get(check.check_name, True) and check.passed
     for name, passed in checks.items():
         print(f"  check {name}: {'passed' if passed else 'FAILED'}")
+    _note_views_behind(wh)
+    print(f"done in {time.perf_counter() - started:.1f}s")
+    return 0 if all(checks.values()) else 1
+
+
+def _note_views_behind(wh) -> None:
+    from txn_engine.tier.reader import views_behind_log
+
     behind = views_behind_log(wh)
     if behind:
         listed = ", ".join(f"{t} (log reaches {p})" for t, p in sorted(behind.items())[:5]) + (", ..." if len(behind) > 5 else "")
         print(f"note: the transaction buffer's view of {len(behind)} topic(s) is behind the log: {listed}; ledgers "
               "past its last run are not eligible until then; run `txnlake run`, then offload again", file=sys.stderr)
-    print(f"done in {time.perf_counter() - started:.1f}s")
-    return 0 if all(checks.values()) else 1
 
 
 def cmd_retention(args: argparse.Namespace) -> int:
-    from dagster import AssetSelection
-
     from assets.offload import RetentionConfig
-    from txn_engine.tier.retention import DEFAULT_MAX_AGE, parse_bytes, parse_duration
-    from txn_engine.core.schema import DELETED_LEDGERS, LEDGERS
+    from txn_engine.tier.retention import DEFAULT_MAX_AGE
+    from txn_engine.core.schema import DELETED_LEDGERS
 
     named = args.max_age is not None or args.max_bytes is not None or args.keep_ledgers is not None
-    age = parse_duration(args.max_age) if args.max_age is not None else (None if named else DEFAULT_MAX_AGE)
+    age = args.max_age if args.max_age is not None else (None if named else DEFAULT_MAX_AGE)
     config = {
         "max_age_hours": None if age is None else age.total_seconds() / 3600,
-        "max_bytes": None if args.max_bytes is None else parse_bytes(args.max_bytes),
+        "max_bytes": args.max_bytes,
         "keep_ledgers": args.keep_ledgers,
         "require_offloaded": not args.include_not_offloaded,
         "require_buffered": not args.include_not_buffered,
@@ -484,7 +478,7 @@ def cmd_retention(args: argparse.Namespace) -> int:
     RetentionConfig(**config).policy()  # bad limits fail here, before any run
     print("retention policy: " + ", ".join(f"{k}={v}" for k, v in config.items() if v is not None), flush=True)
     instance = _instance()
-    result = _materialize(AssetSelection.assets(DELETED_LEDGERS), {"ops": {DELETED_LEDGERS: {"config": config}}}, instance=instance)
+    result = _run("retention", instance, run_config={"ops": {DELETED_LEDGERS: {"config": config}}})
     # A real run materializes deleted_ledgers; a dry run only observes it (nothing changed).
     [event] = result.get_asset_observation_events() if args.dry_run else result.get_asset_materialization_events()
     outcome = event.event_specific_data.asset_observation if args.dry_run else event.event_specific_data.materialization
@@ -502,8 +496,23 @@ def cmd_retention(args: argparse.Namespace) -> int:
               "table's delta.deletedFileRetentionDuration (Delta's default: 7 days)")
     _print_materializations(result)  # (none for a dry run)
     if meta["ledgers_deleted"] and not args.dry_run:
-        _print_materializations(_materialize(AssetSelection.assets(LEDGERS), instance=instance))  # the catalog shows DELETED
+        _print_materializations(_run("ledgers_catalog", instance))  # the catalog shows DELETED
     return 0
+
+
+def _parsed(name: str):
+    """An argparse `type` from txn_engine.core.units' parser `name`: a bad value is a usage error
+    at once, before anything starts."""
+
+    def parse(text: str):
+        from txn_engine.core import units
+
+        try:
+            return getattr(units, name)(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -517,13 +526,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Validates raw ledger files (.jsonl, .csv, .parquet) and appends their entries to "
                        "ledger_entries; malformed rows go to quarantine_entries, entries already present are skipped.")
     p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl, .csv or .parquet files (or folders)")
-    p.set_defaults(func=cmd_ingest)
+    _add_quiet(p)
+    p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
 
     p = sub.add_parser("run", help="materialize every derived asset over what the warehouse holds",
                        description="Refreshes the ledgers catalog, then materializes the transaction buffer's tables and "
                        "the SQL models over every ledger the warehouse holds (snapshots, offload and retention have "
                        "their own commands). "
                        "Run it after an ingest: readers see nothing of the new entries before.")
+    _add_quiet(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("sql", help="run one SQL model ad hoc and print its result",
@@ -539,6 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="snapshot every topic with transactional data")
     p.add_argument("--max-aborts-per-segment", type=int, help="aborts per segment at most (default 100000)")
     p.add_argument("--max-segment-bytes", type=int, help="bytes per segment at most (default 5 MiB)")
+    _add_quiet(p)
     p.set_defaults(func=cmd_snapshot)
 
     p = sub.add_parser("generate", help="write a realistic raw ledger file (deterministic per seed)",
@@ -549,6 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument("--topics", type=int, default=4, help="number of topics (default 4)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    _add_quiet(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="run the demo workload through the transaction engine",
@@ -557,6 +570,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--producers", type=int, default=4, help="concurrent producers (default 4)")
     p.add_argument("--transactions", type=int, default=20, help="transactions per producer (default 20)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    _add_quiet(p)
     p.set_defaults(func=cmd_demo)
 
 
@@ -569,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="from_position", default="earliest", metavar="L:E",
                    help="start position, inclusive: L:E, L:-1 (before ledger L's first entry) or earliest (-1:-1, the "
                    "default); a filtered-out position starts at the next entry")
-    p.add_argument("--max", type=int, default=None, metavar="N", help="at most N entries (default all)")
+    p.add_argument("--max", type=non_negative(), default=None, metavar="N", help="at most N entries (default all)")
     p.set_defaults(func=cmd_read)
 
     p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier (a Dagster run)",
@@ -577,14 +591,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "(LEDGER_IDs, else every eligible ledger) with their checks, then refreshes ledgers, ledger_sizes "
                        "and tier_sizes. Exit 1 when a check fails, 2 on an error.")
     p.add_argument("ledgers", nargs="*", type=int, metavar="LEDGER_ID", help="only these ledgers (default: every eligible one)")
+    _add_quiet(p)
     p.set_defaults(func=cmd_offload)
 
     p = sub.add_parser("retention", help="delete old ledgers from the hot tables (by default only offloaded ones)",
                        description="A ledger goes when any given limit says so; per topic the oldest go first and "
                        "deletion stops at the first ledger that stays. Without a limit: --max-age 7d (Kafka's default).")
-    p.add_argument("--max-age", metavar="AGE", help="delete ledgers whose last entry is older, e.g. 7d, 36h, 90m")
-    p.add_argument("--max-bytes", metavar="SIZE", help="per topic, delete the oldest while the hot ledgers hold more, e.g. 10GB")
-    p.add_argument("--keep-ledgers", type=int, metavar="N", help="per topic, keep the newest N ledgers")
+    p.add_argument("--max-age", metavar="AGE", type=_parsed("parse_duration"), help="delete ledgers whose last entry is older, e.g. 7d, 36h, 90m")
+    p.add_argument("--max-bytes", metavar="SIZE", type=_parsed("parse_bytes"), help="per topic, delete the oldest while the hot ledgers hold more, e.g. 10GB")
+    p.add_argument("--keep-ledgers", type=non_negative(), metavar="N", help="per topic, keep the newest N ledgers")
     p.add_argument("--include-not-offloaded", action="store_true",
                    help="also delete CLOSED ledgers the tier does not hold (their data is then gone)")
     p.add_argument("--include-not-buffered", action="store_true",
@@ -592,8 +607,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "are then gone: a later retry reads as new, a later part of their transactions as open, holding "
                    "the stable position back); run `txnlake run` first instead")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; write nothing")
+    _add_quiet(p)
     p.set_defaults(func=cmd_retention)
+
+    p = sub.add_parser("doctor", help="check every table's Delta log (is each head commit whole?)",
+                       description="Reads the last commit file of every table's _delta_log (no Spark) and names any "
+                       "that is cut short or damaged, with what to do. Exit 1 when one is.")
+    p.set_defaults(func=cmd_doctor)
     return parser
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="print no progress (stage lines on stderr); results and errors still print")
 
 
 def _attach_positions(argv: Sequence[str]) -> list[str]:
@@ -609,8 +635,16 @@ def _attach_positions(argv: Sequence[str]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_attach_positions(argv))
+    if getattr(args, "precheck", None):
+        try:
+            args.precheck(args)  # in milliseconds, before anything starts
+        except TxnlakeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     try:
-        return _main(argv)
+        return _main(args, argv)
     finally:
         _let_arrow_scans_wind_down()
 
@@ -625,10 +659,19 @@ def _let_arrow_scans_wind_down() -> None:
     time.sleep(0.2)
 
 
-def _main(argv: Sequence[str] | None) -> int:
-    args = build_parser().parse_args(_attach_positions(sys.argv[1:] if argv is None else argv))
+# Commands that read or write the warehouse: their tables' logs are checked before they start.
+WAREHOUSE_COMMANDS = {"ingest", "run", "sql", "snapshot", "demo", "txn", "read", "offload", "retention"}
+
+
+def _main(args: argparse.Namespace, argv: list[str]) -> int:
+    _command.argv = argv
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if _on_main_thread() else None
     try:
-        return args.func(args)
+        with Console(quiet=getattr(args, "quiet", False)) as console:
+            _command.console = console
+            if args.command in WAREHOUSE_COMMANDS:
+                _require_whole_logs()
+            return args.func(args)
     except TxnlakeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         for note in getattr(exc, "__notes__", ()):
@@ -639,6 +682,64 @@ def _main(argv: Sequence[str] | None) -> int:
             raise
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except BaseException as exc:
+        # Ctrl-C, SIGTERM: a KeyboardInterrupt, or Dagster's own error for one inside a step.
+        if not isinstance(exc, KeyboardInterrupt) and type(exc).__name__ != "DagsterExecutionInterruptedError":
+            raise
+        print(f"interrupted: {_cancel_current_run()}", file=sys.stderr)
+        return 130
+    finally:
+        _command.console = Console(quiet=True)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _on_main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def _cancel_current_run() -> str:
+    """Mark the run this process was executing cancelled (when Dagster has not ended it already); say which."""
+    from dagster import DagsterRunStatus
+
+    from pipelines.progress import mark_cancelling
+    from pipelines.runs import current_run
+
+    instance, run_id = current_run.get("instance"), current_run.get("run_id")
+    if instance is None:
+        return "nothing was left half done by a run (no run was executing)"
+    mark_cancelling()
+    run = instance.get_run_by_id(run_id)
+    if run is not None and run.status not in (DagsterRunStatus.CANCELED, DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE):
+        instance.report_run_canceled(run, message="interrupted (Ctrl-C or SIGTERM) at the command line")
+        run = instance.get_run_by_id(run_id)
+    current_run.clear()
+    return f"run {run_id} of job {run.job_name} is marked {run.status.value.lower()}"
+
+
+def _require_whole_logs() -> None:
+    from pipelines.definitions import MAINTAINED_TABLES, RESOURCES
+    from txn_engine.storage.logs import require_whole_logs
+
+    require_whole_logs(RESOURCES["warehouse"].settings(), MAINTAINED_TABLES)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from pipelines.definitions import MAINTAINED_TABLES, RESOURCES
+    from txn_engine.storage.logs import check_logs
+
+    settings = RESOURCES["warehouse"].settings()
+    found = [h for h in check_logs(settings, MAINTAINED_TABLES) if h.version is not None]
+    damaged = [h for h in found if h.problem]
+    for health in found:
+        print(f"  {'DAMAGED' if health.problem else 'ok':<8} {health.table:<28} version {health.version}  {health.path}")
+    for health in damaged:
+        print(f"error: {health.advice()}", file=sys.stderr)
+    print(f"{len(found)} table(s) checked under {settings.warehouse}: "
+          + (f"{len(damaged)} damaged" if damaged else "every head commit is whole"))
+    return 1 if damaged else 0
 
 
 if __name__ == "__main__":

@@ -48,10 +48,15 @@ def _with_kinds(spec: AssetSpec) -> AssetSpec:
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 
-# Each domain owns its assets, checks, jobs, partitions, sensors and schedules.
-DOMAINS = Definitions.merge(ledger.defs, transaction_buffer.defs, sql_models.defs, snapshots.defs, offload.defs, engine.defs)
-ALL_ASSETS = map_asset_specs(_with_kinds, list(DOMAINS.assets or ()))
-ALL_CHECKS = list(DOMAINS.asset_checks or ())
+def _domain_parts() -> tuple[list, ...]:
+    """Each domain owns its assets, checks, jobs, partitions, sensors and schedules: theirs merged.
+    In a function: Dagster refuses a module with two Definitions objects at its top level."""
+    merged = Definitions.merge(ledger.defs, transaction_buffer.defs, sql_models.defs, snapshots.defs, offload.defs, engine.defs)
+    return tuple(list(getattr(merged, kind) or ()) for kind in ("assets", "asset_checks", "jobs", "sensors", "schedules"))
+
+
+_DOMAIN_ASSETS, ALL_CHECKS, DOMAIN_JOBS, DOMAIN_SENSORS, DOMAIN_SCHEDULES = _domain_parts()
+ALL_ASSETS = map_asset_specs(_with_kinds, _DOMAIN_ASSETS)
 
 # Everything derived from what the warehouse already holds; ingest and the demo workload add data
 # (jobs of their own: `ingest`, `demo`) and are not assets.
@@ -70,6 +75,38 @@ derive_all_job = define_asset_job(
     selection=DERIVED_SELECTION,
     description="Recompute every derived table from the current ledger_entries (what `txnlake run` does).",
 )
+
+
+def derive_all_pending(wh, instance) -> list[str]:
+    """Why `derive_all` has work to do, empty when every table it writes is current: the catalog is
+    fresh, the buffer state holds every ledger at the catalog's counts (and Dagster every closed
+    ledger's partition), and each other table exists, materialized after what it reads."""
+    from assets.transaction_buffer.sensors import closed_ledgers_of, open_ledgers_behind
+    from txn_engine.log.ledgers import stale_catalog
+
+    stale = stale_catalog(wh)
+    if stale is not None:
+        return [stale]
+    closed = closed_ledgers_of(wh, instance)
+    behind = [*closed.to_run, *open_ledgers_behind(wh)]
+    reasons = [f"{len(behind)} ledger(s) the transaction buffer has not computed at their current length: "
+               + ", ".join(behind[:5]) + (", ..." if len(behind) > 5 else "")] if behind else []
+    graph = defs.resolve_asset_graph()
+    selected = DERIVED_SELECTION.resolve(graph)
+    latest = {key: instance.get_latest_materialization_event(key) for key in selected}
+    for key in sorted(selected):
+        if not wh.exists(key.path[-1]):
+            reasons.append(f"table {key.path[-1]} does not exist")
+        elif latest[key] is None:
+            reasons.append(f"{key.to_user_string()} was never materialized in this Dagster instance")
+        else:
+            newer = [p.to_user_string() for p in graph.get(key).parent_keys
+                     if p in selected and latest[p] is not None and latest[p].timestamp > latest[key].timestamp]
+            if newer:
+                reasons.append(f"{key.to_user_string()} is older than {', '.join(newer)}")
+    return reasons
+
+
 # Every asset is the Delta table of its name.
 ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])}
 # Every table txnlake writes: the assets', the buffer's state tables and the engine's (one list: schema.py).
@@ -92,9 +129,9 @@ ignore_dagsters_own_owners_warning()
 defs = Definitions(
     assets=ALL_ASSETS,
     asset_checks=ALL_CHECKS,
-    jobs=[derive_all_job, *(DOMAINS.jobs or ()), maintenance_job],
-    sensors=DOMAINS.sensors,
-    schedules=[*(DOMAINS.schedules or ()), maintenance_schedule],
+    jobs=[derive_all_job, *DOMAIN_JOBS, maintenance_job],
+    sensors=DOMAIN_SENSORS,
+    schedules=[*DOMAIN_SCHEDULES, maintenance_schedule],
     resources=RESOURCES,
     executor=in_process_executor,
 )

@@ -267,6 +267,11 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             # Honoured by spark-submit only (over PYSPARK_PYTHON); a session built here reads the environment.
             os.environ["PYSPARK_PYTHON"] = wanted["spark.pyspark.python"]
         started = time.perf_counter()
+        # Spark's launcher always loads the JVM's incubating vector module, and the JVM then warns
+        # "Using incubator modules: jdk.incubator.vector" on stderr: said once here, before it shows.
+        logging.getLogger("txnlake.spark").info(
+            f"starting Spark ({wanted['spark.master']}); the JVM's 'Using incubator modules' warning that "
+            "follows is Spark's own and harmless")
         builder = SparkSession.builder
         for key, value in wanted.items():
             builder = builder.config(key, value)
@@ -300,6 +305,12 @@ def _apply_runtime_conf(session: SparkSession, wanted: Mapping[str, str]) -> Non
             "Start a new process to change them.",
             ", ".join(sorted(ignored)),
         )
+
+
+def running_session() -> SparkSession | None:
+    """This process's session when one runs (never starts one): for progress reports."""
+    session = _session
+    return session if session is not None and session.sparkContext._jsc is not None else None
 
 
 def spark_startup_seconds() -> float | None:

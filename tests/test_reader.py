@@ -163,7 +163,7 @@ def test_txnlake_read_and_offload(warehouse_root, warehouse, tmp_path, capsys):
     assert views_behind_log(warehouse) == {"t": Position(4, 1)}
     assert main(["offload"]) == 0
     out, err = capsys.readouterr()
-    assert "no ledger to offload" in out
+    assert "nothing to do: no ledger is CLOSED" in out
     assert "view of 1 topic(s) is behind the log: t (log reaches 4:1)" in err and "run `txnlake run`" in err
 
 

@@ -490,12 +490,13 @@ def test_txnlake_retention_dry_run_then_delete_then_catalog(offloaded, warehouse
     wh = offloaded
     entries_before = wh.read(LEDGER_ENTRIES).count()
 
-    # Bad limits: a clear error, exit 2, nothing deleted.
+    # Bad limits: a usage error before anything starts, exit 2, nothing deleted.
     for argv, message in [(["--max-age", "a week"], "cannot read 'a week' as an age"),
                           (["--max-bytes", "10 parsecs"], "cannot read '10 parsecs' as a size"),
-                          (["--keep-ledgers", "-2"], "keep_ledgers must not be negative")]:
-        assert main(["retention", *argv]) == 2
-        assert message in capsys.readouterr().err
+                          (["--keep-ledgers", "-2"], "--keep-ledgers: must be 0 or more")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(["retention", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert wh.read(LEDGER_ENTRIES).count() == entries_before
 
     # The default policy is 7 days (Kafka's): these ledgers were published on 2026-01-01. A dry run

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from datetime import timedelta, timezone
 
 from dagster import AssetCheckSeverity, AssetKey, AssetSelection, DagsterInstance, RunRequest, SkipReason, build_schedule_context, \
@@ -18,6 +16,7 @@ from resources.warehouse import WarehouseResource
 from tests.dagster_runs import sensor_tick
 from tests.buffer_histories import frame
 from tests.test_snapshot_jobs import aborted_history, as_truth, truth
+from tests.threads import held_elsewhere
 from txn_engine.core.log_types import LogEntry
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -55,26 +54,6 @@ def metadata_of(result, table: str) -> dict:
     [mat] = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
              if e.event_specific_data.materialization.asset_key == AssetKey(table)]
     return {k: v.value for k, v in mat.metadata.items()}
-
-
-@contextmanager
-def snapshot_lock_held_elsewhere(warehouse):
-    """The snapshot lock held by another thread for the block (the lock is reentrant in its own
-    thread, and an in-process run executes in the caller's thread)."""
-    taken, release = threading.Event(), threading.Event()
-
-    def hold():
-        with snapshot_lock(warehouse):
-            taken.set()
-            release.wait(120)
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert taken.wait(60)
-        yield
-    finally:
-        release.set()
-        holder.join(60)
 
 
 def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
@@ -131,7 +110,8 @@ def test_snapshot_assets_state_and_check(warehouse, dagster_resources):
     # (here 0.5 s) and fails saying why, writing nothing (a compaction beside another writer's
     # unfinished snapshot would drop its parts).
     keys = sorted(r.snapshot_key for r in read_segments(warehouse).collect())
-    with snapshot_lock_held_elsewhere(warehouse):
+    # Held by another thread: the lock is reentrant in its own, and an in-process run executes there.
+    with held_elsewhere(lambda: snapshot_lock(warehouse)):
         blocked = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=AssetSelection.groups("snapshots"),
                               resources=dagster_resources, raise_on_error=False,
                               run_config={"ops": {"txn_snapshot_segments": {"config": {"force": True, "lock_timeout_s": 0.5}}}})

@@ -17,6 +17,8 @@ import json
 import time
 from typing import NamedTuple
 
+import pyarrow.compute as pc
+
 from dagster import (
     AssetKey,
     AssetPartitionStatus,
@@ -33,7 +35,7 @@ from dagster import (
 )
 
 from assets.ledger import ledgers_catalog_job
-from assets.partitions import LEDGER_PARTITIONS, range_tags, retry_after_s
+from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags, retry_after_s
 from assets.transaction_buffer.tables import DESCRIPTIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
@@ -42,6 +44,7 @@ from txn_engine.buffer.refresh import (
     closed_ledger_counts,
     closed_ledger_ids,
     ledgers_behind,
+    listed_ledgers,
     read_catalog,
     stored_ledger_counts,
 )
@@ -85,6 +88,27 @@ def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers
     to_run = {**ledgers_behind(closed, state),
               **{key: counts for key, counts in closed.items() if ledger_partition_key(key[1]) in unrecorded}}
     return ClosedLedgers(new, {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in sorted(to_run.items())})
+
+
+def buffer_range_to_run(wh: Warehouse, instance: DagsterInstance) -> tuple[str, str]:
+    """The ledger partition range of a buffer run that brings the buffer up to the catalog: over the
+    closed ledgers it has not computed (in partition order), else the last partition's (an OPEN
+    ledger grew: every buffer run recomputes what changed, whatever its range). Needs a partition."""
+    keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
+    todo = {_ledger_key(name) for name in closed_ledgers_of(wh, instance).to_run} & set(keys)
+    [span] = partition_spans(keys, todo or {keys[-1]}, contiguous=False)
+    return span
+
+
+def open_ledgers_behind(wh: Warehouse) -> list[str]:
+    """"topic/ledger_id" of the OPEN ledgers whose catalog counts the buffer state does not hold (the
+    closed ones are `closed_ledgers_of`'s): every buffer run recomputes them, whatever its range."""
+    if not wh.exists(LEDGERS):
+        return []
+    catalog = read_catalog(wh, LEDGER_COUNT_COLUMNS + ["state"])
+    rows = listed_ledgers(catalog.filter(pc.equal(catalog["state"], "OPEN"))).select(LEDGER_COUNT_COLUMNS).to_pylist()
+    counts = {(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}
+    return [f"{t}/{l}" for t, l in sorted(ledgers_behind(counts, stored_ledger_counts(wh)))]
 
 
 def unmaterialized_partitions(instance: DagsterInstance, keys: list[str]) -> set[str]:

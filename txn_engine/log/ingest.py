@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import difflib
-import re
 import uuid
 from dataclasses import dataclass, field
 from functools import reduce
@@ -52,6 +50,15 @@ from pyspark.sql.utils import AnalysisException
 from py4j.protocol import Py4JJavaError
 
 from txn_engine.core.errors import InputFileError
+from txn_engine.log.input_files import (
+    _format_of,
+    check_input_files,
+    format_or_error,
+    missing_input,
+    no_input_in_folder,
+    check_columns,
+    unknown_columns_error,
+)
 from txn_engine.log.ledgers import immutable_ledgers, ledger_ranges
 from txn_engine.core.schema import (
     ENTRY_TYPES,
@@ -68,8 +75,6 @@ from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.s3 import arrow_filesystem
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
 
-FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
-REQUIRED_COLUMNS = ("topic", "ledger_id", "entry_id", "entry_type")
 # Rows per file ingest writes (about 18 MB of generated entries).
 ROWS_PER_FILE = 1_000_000
 _ID_COLUMNS = ("ledger_id", "entry_id", "txn_most_bits", "txn_least_bits", "producer_id", "sequence_id")
@@ -155,8 +160,7 @@ class SourceFile:
 
 def resolve_sources(spark: SparkSession, paths: Sequence[str]) -> list[SourceFile]:
     """Check every path before anything is read: exists, known format, readable."""
-    if not paths:
-        raise InputFileError("no input files given; name one or more .jsonl, .csv or .parquet files")
+    check_input_files(paths)
     sources: list[SourceFile] = []
     jvm = spark.sparkContext._jvm
     hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()
@@ -164,37 +168,20 @@ def resolve_sources(spark: SparkSession, paths: Sequence[str]) -> list[SourceFil
         hpath = jvm.org.apache.hadoop.fs.Path(raw)
         fs = hpath.getFileSystem(hadoop_conf)
         if not fs.exists(hpath):
-            raise InputFileError(f"input file {raw} does not exist; nothing was ingested")
+            raise missing_input(raw)
         qualified = str(fs.makeQualified(hpath).toString())
         if fs.getFileStatus(hpath).isDirectory():
             children = [str(st.getPath().toString()) for st in fs.listStatus(hpath) if st.isFile()]
-            found = [c for c in sorted(children) if _format_of(c)]
-            if not found:
-                raise InputFileError(
-                    f"folder {raw} holds no .jsonl, .csv or .parquet file; nothing was ingested"
-                )
+            found = [c for c in sorted(children) if _format_of(c)] or no_input_in_folder(raw)
             sources += [SourceFile(c, _format_of(c)) for c in found]
             continue
-        fmt = _format_of(raw)
-        if fmt is None:
-            raise InputFileError(
-                f"unknown format of {raw}: supported are .jsonl (or .ndjson/.json), .csv and "
-                ".parquet; rename the file or convert it. Nothing was ingested."
-            )
+        fmt = format_or_error(raw)
         try:
             fs.open(hpath).close()
         except Exception as exc:  # Py4J wraps the Java IOException
             raise InputFileError(f"cannot read {raw}: {_first_line(exc)}; nothing was ingested") from None
         sources.append(SourceFile(qualified, fmt))
     return sources
-
-
-def _format_of(path: str) -> str | None:
-    lower = path.lower()
-    for suffix, fmt in FORMATS.items():
-        if lower.endswith(suffix):
-            return fmt
-    return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -261,24 +248,6 @@ _JSONL_SCHEMA = StructType(
 _UNKNOWN_COLUMNS = ArrayType(StringType())
 
 
-def unknown_columns_error(path: str, unknown: Sequence[str], where: str = "") -> InputFileError:
-    """The file-level error for columns ingest does not know: their values would be dropped silently
-    (a misspelled `txnMostBits` would turn transactional rows non-transactional)."""
-    hints = []
-    for name in unknown:
-        snake = re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", name).lower().strip()
-        close = difflib.get_close_matches(snake, LEDGER_ENTRY_COLUMNS, n=1, cutoff=0.75)
-        if close:
-            hints.append(f"{name} -> {close[0]}")
-    return InputFileError(
-        f"{path} has unknown column(s) {', '.join(sorted(unknown))}{where}; ingest knows only the ledger_entries "
-        f"columns ({', '.join(LEDGER_ENTRY_COLUMNS)}; {', '.join(REQUIRED_COLUMNS)} required, the others optional) "
-        "and would drop the values of any other. Rename or remove them"
-        + (f" (did you mean {', '.join(hints)}?)" if hints else "")
-        + " and ingest the file again. Nothing was ingested."
-    )
-
-
 def _parse_jsonl(lines: DataFrame, path: str) -> DataFrame:
     lines = lines.filter(F.trim("raw") != "")
     parsed = F.from_json("raw", _JSONL_SCHEMA, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"})
@@ -313,15 +282,7 @@ def _parse_csv(spark: SparkSession, lines: DataFrame, path: str) -> DataFrame:
     if first is None:
         raise InputFileError(f"{path} is empty: a CSV file needs a header row; nothing was ingested")
     header = [h.strip() for h in next(csv.reader([first["raw"]]))]
-    missing = [c for c in REQUIRED_COLUMNS if c not in header]
-    if missing:
-        raise InputFileError(
-            f"{path} has no column(s) {', '.join(missing)} in its header; the header must name "
-            f"the ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
-        )
-    unknown = [c for c in header if c not in LEDGER_ENTRY_COLUMNS]
-    if unknown:
-        raise unknown_columns_error(path, unknown, " in its header")
+    check_columns(path, header, header=True)
     schema = StructType([StructField(f"c{i}", StringType(), True) for i in range(len(header))])
     body = lines.filter((F.col("line") > 1) & (F.trim("raw") != ""))
     parsed = body.withColumn("j", F.from_csv("raw", schema.simpleString(), {"mode": "PERMISSIVE"}))
@@ -373,15 +334,7 @@ def _read_parquet(spark: SparkSession, source: SourceFile, settings: WarehouseSe
         # cannot read otherwise; unsetting it could break a concurrent ingest of such a file.
         spark.conf.set(_NANOS_AS_LONG, "true")
     df = spark.read.parquet(source.path)
-    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
-    if missing:
-        raise InputFileError(
-            f"{source.path} has no column(s) {', '.join(missing)}; a Parquet input needs the "
-            f"ledger_entries columns ({', '.join(LEDGER_ENTRY_COLUMNS)}). Nothing was ingested."
-        )
-    unknown = [c for c in df.columns if c not in LEDGER_ENTRY_COLUMNS]
-    if unknown:
-        raise unknown_columns_error(source.path, unknown)
+    check_columns(source.path, df.columns)
 
     def column(c: str) -> Column:
         if c not in df.columns:

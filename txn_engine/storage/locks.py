@@ -32,6 +32,10 @@ from txn_engine.storage.s3 import not_found, precondition_failed, s3_client
 
 log = logging.getLogger(__name__)
 
+# The operator's console (`txnlake` commands print this logger): a writer waiting says so.
+progress = logging.getLogger("txnlake.locks")
+WAIT_REPORT_S = 10.0  # a wait is announced at once, then again this often
+
 
 class TableLockTimeout(TxnlakeError):
     """Another writer held the table's lock for too long."""
@@ -58,12 +62,20 @@ def table_lock(path: Path, timeout_s: float = 600.0, guarded: str = "this table"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
+        reported = None
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                now = time.monotonic()
+                if reported is None or now - reported >= WAIT_REPORT_S:
+                    reported = now
+                    what = f"table {path.stem}" if guarded == "this table" else guarded
+                    progress.info(f"waiting for the lock of {what} ({path}, {_holder(path)}), "
+                                  f"{now - started:.0f}s so far")
                 if time.monotonic() > deadline:
                     raise _timeout_error(timeout_s, str(path), guarded) from None
                 time.sleep(0.05)
@@ -140,10 +152,15 @@ class Lease:
         return None
 
     def acquire(self, timeout_s: float, guarded: str) -> None:
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, reported = started + timeout_s, None
         pause = 0.05
         while (holder := self.try_acquire()) is not None:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if reported is None or now - reported >= WAIT_REPORT_S:
+                reported = now
+                progress.info(f"waiting for the lease {self.uri} ({guarded}, held by {holder}), {now - started:.0f}s so far")
+            if now > deadline:
                 raise _timeout_error(timeout_s, self.uri, guarded, holder)
             time.sleep(pause)
             pause = min(pause * 2, 1.0, self.ttl_s / 4)
@@ -194,3 +211,12 @@ def writer_lock(settings: WarehouseSettings, name: str, timeout_s: float = 600.0
         yield
     finally:
         lease.release()
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, as the holder wrote it (its pid), for the wait's message."""
+    try:
+        pid = path.read_text().strip()
+    except OSError:
+        pid = ""
+    return f"held by process {pid}" if pid.isdigit() else "held by another writer"

@@ -13,7 +13,6 @@ Details and reasons: docs/offload.md, "Retention".
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Callable, Iterable
@@ -33,6 +32,7 @@ from txn_engine.core.schema import (
     TXN_MARKERS,
 )
 from txn_engine.storage.warehouse import Warehouse
+from txn_engine.core import units
 
 # Crash-injection points of `apply_retention`, in order.
 AFTER_CATALOG, AFTER_STATE, AFTER_DERIVED = "after_catalog", "after_state", "after_derived"
@@ -98,30 +98,11 @@ def _utc(moment: datetime) -> datetime:
     return moment.astimezone(timezone.utc)
 
 
+# The policy's parsers (`--max-age`, `--max-bytes`) live in the kernel: the CLI checks them before importing this.
+parse_duration, parse_bytes = units.parse_duration, units.parse_bytes
+
 # Kafka's default `retention.ms` (7 days): the policy when an operator names no limit.
 DEFAULT_MAX_AGE = timedelta(hours=168)
-
-_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_duration(text: str) -> timedelta:
-    """`90m`, `36h`, `7d`, `2w` or plain seconds, as a timedelta (what `--max-age` takes)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text.lower())
-    if not match:
-        raise RetentionPolicyError(f"cannot read {text!r} as an age: write a number with s, m, h, d or w, e.g. 7d or 36h")
-    return timedelta(seconds=float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"])
-
-
-def parse_bytes(text: str) -> int:
-    """`500000`, `512MiB`, `10GB` ... as a number of bytes (what `--max-bytes` takes)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not match or match.group(2) not in _BYTE_UNITS:
-        raise RetentionPolicyError(f"cannot read {text!r} as a size: write bytes, or a number with KB, MB, GB, "
-                                   "KiB, MiB or GiB, e.g. 10GB")
-    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
-
 
 @dataclass
 class RetentionResult:
