@@ -163,7 +163,7 @@ class Lease:
             if now > deadline:
                 raise _timeout_error(timeout_s, self.uri, guarded, holder)
             time.sleep(pause)
-            pause = min(pause * 2, 1.0, self.ttl_s / 4)
+            pause = min(pause * 2, 0.5, self.ttl_s / 4)
 
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 3):
