@@ -13,6 +13,10 @@ class DeltaJarsMissingError(ConfigurationError):
     """Delta Lake's JVM jars are not in the cache."""
 
 
+class KafkaJarsMissingError(ConfigurationError):
+    """The jars of the Kafka broker the tests start are not in the cache."""
+
+
 class InputFileError(TxnlakeError):
     """An input file is missing, unreadable or of an unknown format. Nothing was written."""
 

@@ -113,6 +113,8 @@ class IngestSummary:
     rows_quarantined: int = 0
     rows_in_deleted_ledgers: int = 0
     quarantine_by_rule: dict[str, int] = field(default_factory=dict)
+    # Per topic, rows by status (NEW, PRESENT, ...): what an import reports per partition.
+    rows_by_topic: dict[str, dict[str, int]] = field(default_factory=dict)
     # Ledgers this ingest appended to whose entry ids are not dense (a warning, not an error):
     # dicts of topic, ledger_id, first_entry_id, last_entry_id, entry_count, missing.
     entry_id_gaps: list[dict] = field(default_factory=list)
@@ -656,9 +658,16 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     # Validated file by file: a union of raw files would coerce one file's columns to another's
     # types (JSONL's base64 text becoming Parquet's binary, undecoded).
     validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s, warehouse.settings)) for s in sources])
+    return append_validated(warehouse, validated, [s.path for s in sources])
+
+
+def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str]) -> IngestSummary:
+    """Classify `validate`d rows against what is stored, quarantine the bad ones and append the
+    new ones (the rules of `classify`): idempotent, and a crash between the two writes is
+    repaired by running it again. Every importer of raw entries appends through here."""
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
-        files=[s.path for s in sources],
+        files=files,
         table_location=warehouse.path(LEDGER_ENTRIES),
         quarantine_location=warehouse.path(QUARANTINE_ENTRIES),
     )
@@ -672,7 +681,7 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
             is_new = F.col("status") == NEW
             has_unknown = F.size("_unknown_columns") > 0
             tally = classified.groupBy(
-                "status", "rule", F.when(is_new, F.col("topic")).alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
+                "status", "rule", F.col("topic").alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
             ).agg(
                 F.count("*").alias("n"),
                 F.collect_set(F.when(has_unknown, F.struct("source_file", "_unknown_columns"))).alias("unknown"),
@@ -692,6 +701,10 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
                 if r["status"] == QUARANTINED:
                     by_rule[r["rule"]] = by_rule.get(r["rule"], 0) + r["n"]
             appended_to = {(r["t"], r["l"]) for r in tally if r["status"] == NEW}
+            for r in tally:
+                if r["t"] is not None:
+                    by_status = summary.rows_by_topic.setdefault(r["t"], {})
+                    by_status[r["status"]] = by_status.get(r["status"], 0) + r["n"]
             summary.rows_read = sum(counts.values())
             summary.rows_written = counts.get(NEW, 0)
             summary.rows_already_present = counts.get(PRESENT, 0)
