@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import fcntl
+import logging
 import os
 import pickle
 import signal
@@ -32,6 +33,9 @@ SEGMENT_BYTES = 4096
 TOPIC = "orders"  # 2 partitions: the transactional workload
 PLAIN = "plain"  # 1 partition, LogAppendTime: plain sends without a producer id
 START_TIMEOUT_S = 60
+# librdkafka's own log (the clients reconnecting while the broker stops, expected aborts) goes to
+# Python logging, which pytest captures, not to stderr.
+CLIENT_LOG = logging.getLogger("tests.kafka_client")
 # A transaction the coordinator aborts: its timeout, and how often the coordinator looks.
 SHORT_TXN_TIMEOUT_MS = 1000
 TXN_ABORT_SCAN_MS = 300
@@ -129,7 +133,7 @@ def write_workload(bootstrap: str) -> list:
     from confluent_kafka import KafkaException, Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": CLIENT_LOG})
     small = {"internal.segment.bytes": str(SEGMENT_BYTES)}
     topics = [NewTopic(TOPIC, 2, 1, config=small),
               NewTopic(PLAIN, 1, 1, config={**small, "message.timestamp.type": "LogAppendTime"})]
@@ -138,7 +142,7 @@ def write_workload(bootstrap: str) -> list:
 
     def transactional(tid: str, codec: str = "none", **extra) -> Producer:
         producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": tid, "compression.type": codec,
-                             "linger.ms": 5, **extra})
+                             "linger.ms": 5, "logger": CLIENT_LOG, **extra})
         producer.init_transactions(30)
         return producer
 
@@ -197,9 +201,9 @@ def write_workload(bootstrap: str) -> list:
     again.commit_transaction(30)
     # Idempotent (a producer id, no transaction) and plain sends (no producer id).
     idempotent = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": True, "compression.type": "snappy",
-                           "linger.ms": 5})
+                           "linger.ms": 5, "logger": CLIENT_LOG})
     plain = Producer({"bootstrap.servers": bootstrap, "enable.idempotence": False, "acks": 1,
-                      "compression.type": "gzip", "linger.ms": 5})
+                      "compression.type": "gzip", "linger.ms": 5, "logger": CLIENT_LOG})
     for j in range(12):
         idempotent.produce(TOPIC, partition=j % 2, key=KEYS[j % 4], value=f"idempotent{j}".encode(),
                            headers=[("k", b"")] if j % 2 else None)
@@ -236,7 +240,7 @@ def read_truth(bootstrap: str, topics: dict[str, int]) -> Truth:
     from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
     from confluent_kafka.admin import AdminClient, OffsetSpec
 
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient({"bootstrap.servers": bootstrap, "logger": CLIENT_LOG})
     partitions = [TopicPartition(t, p) for t, n in topics.items() for p in range(n)]
     truth = Truth()
     latest = {tp: OffsetSpec.latest() for tp in partitions}
@@ -245,7 +249,7 @@ def read_truth(bootstrap: str, topics: dict[str, int]) -> Truth:
         for tp, future in admin.list_offsets(latest, isolation_level=isolation).items():
             into[f"{tp.topic}-{tp.partition}"] = future.result(30).offset
     consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "truth", "isolation.level": "read_committed",
-                         "enable.auto.commit": False, "enable.partition.eof": True})
+                         "enable.auto.commit": False, "enable.partition.eof": True, "logger": CLIENT_LOG})
     consumer.assign([TopicPartition(tp.topic, tp.partition, 0) for tp in partitions])
     done: set[str] = set()
     deadline = time.monotonic() + 30
