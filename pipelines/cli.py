@@ -137,6 +137,16 @@ def _check_input_files(args: argparse.Namespace) -> None:
     check_input_files(args.paths)  # in Python, before Spark, the warehouse and the run
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from txn_engine.storage.migrate import migrate_warehouse
+
+    added = migrate_warehouse(_open_warehouse())
+    for table, columns in added.items():
+        print(f"  {table}: added {', '.join(columns)}")
+    print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    return 0
+
+
 def cmd_import_kafka(args: argparse.Namespace) -> int:
     if args.verify:
         from txn_engine.log.kafka_import import verify_against_index
@@ -329,8 +339,12 @@ def entry_line(e) -> str:
     """One entry of `txnlake read` on one line: position, tier, transaction, key, payload (the key
     escaped as the payload is, so a newline or tab in it cannot start a line that looks like an entry)."""
     txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
-    key = "" if e.key is None else payload_text(e.key.encode("utf-8", "surrogateescape"))
-    return f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={key}\t{payload_text(e.payload)}"
+    # A key that is not UTF-8 is in key_bytes (shown as a bytes literal); headers only when there are.
+    raw_key = e.key.encode("utf-8", "surrogateescape") if e.key is not None else e.key_bytes
+    key = "" if raw_key is None else payload_text(raw_key)
+    headers = "" if not e.headers else "\theaders=" + ",".join(
+        f"{payload_text(h['key'].encode())}={'-' if h['value'] is None else payload_text(h['value'])}" for h in e.headers)
+    return f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={key}{headers}\t{payload_text(e.payload)}"
 
 
 def cmd_read(args: argparse.Namespace) -> int:
@@ -559,6 +573,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl, .csv or .parquet files (or folders)")
     _add_quiet(p)
     p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
+
+    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse",
+                       description="Adds the columns added to the table contract since the warehouse was written "
+                       "(key_bytes, headers, timestamp_type) to every table of entries, empty for the stored rows. "
+                       "Only Delta's log changes; running it again does nothing.")
+    p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("import-kafka", help="import a Kafka log (segments) into ledger_entries",
                        description="Parses Kafka log segments (record batch format v2, every codec, CRC-32C checked) and "

@@ -36,6 +36,17 @@ def segments_of(log_dir: Path, partition: str) -> list[Path]:
     return sorted((log_dir / partition).glob("*.log"))
 
 
+TIMESTAMP_TYPE_CODES = {"CREATE_TIME": 1, "LOG_APPEND_TIME": 2}  # confluent_kafka's TIMESTAMP_* constants
+
+
+def record_of(row) -> tuple:
+    """A committed_entries row as the consumer gave its record (`kafka_broker.Truth.records`)."""
+    key = row.key.encode() if row.key is not None else None if row.key_bytes is None else bytes(row.key_bytes)
+    headers = [(h.key, None if h.value is None else bytes(h.value)) for h in row.headers or []]
+    return (row.ledger_id + row.entry_id, key, None if row.payload is None else bytes(row.payload), headers,
+            TIMESTAMP_TYPE_CODES[row.timestamp_type], round(row.publish_time.timestamp() * 1000))
+
+
 def test_import_run_verify_read_reproduce_the_broker(warehouse, warehouse_root, kafka, capsys):
     """`txnlake import-kafka`, then the buffer: committed_entries in ledger order is the
     read_committed consumer's output, the stable position the offset before the LSO, and
@@ -54,9 +65,8 @@ def test_import_run_verify_read_reproduce_the_broker(warehouse, warehouse_root, 
     for topic, records in sorted(truth.records.items()):
         got = (wh.read(COMMITTED_ENTRIES).where((F.col("topic") == topic) & F.col("in_stable_prefix"))
                .orderBy("ledger_id", "entry_id").collect())
-        assert [r.ledger_id + r.entry_id for r in got] == [r[0] for r in records], topic
-        assert [r.payload for r in got] == [r[2] for r in records], topic
-        assert [r.publish_time.timestamp() * 1000 for r in got] == [r[5] for r in records], topic
+        # Byte for byte: offset, key (null, empty, not UTF-8), value, headers in order, timestamp and its type.
+        assert [record_of(r) for r in got] == records, topic
         stable = wh.read(STABLE_POSITIONS).where(F.col("topic") == topic).first()
         # The stable position is the offset before the last stable offset (a position of this topic).
         assert stable.max_read_ledger_id + stable.max_read_entry_id == truth.last_stable_offsets[topic] - 1, topic

@@ -21,6 +21,10 @@ class InputFileError(TxnlakeError):
     """An input file is missing, unreadable or of an unknown format. Nothing was written."""
 
 
+class WarehouseMigrationError(TxnlakeError):
+    """A table was written before columns the contract has since added; `txnlake migrate` adds them."""
+
+
 class TableMissingError(TxnlakeError):
     """A table that an operation reads does not exist yet."""
 

@@ -62,6 +62,7 @@ from txn_engine.log.input_files import (
 from txn_engine.log.ledgers import immutable_ledgers, ledger_ranges
 from txn_engine.core.schema import (
     ENTRY_TYPES,
+    TIMESTAMP_TYPES,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
@@ -414,6 +415,26 @@ def validate(raw: DataFrame) -> DataFrame:
             "a COMMIT or ABORT marker must carry a transaction id (txn_most_bits, txn_least_bits)",
         ),
     ]
+    errors += [
+        rule(
+            "timestamp_type",
+            ~t["timestamp_type"].isin(*TIMESTAMP_TYPES),
+            F.concat(F.lit(f"timestamp_type must be one of {', '.join(TIMESTAMP_TYPES)} or null, got '"),
+                     t["timestamp_type"], F.lit("'")),
+        ),
+        rule(
+            "key_twice",
+            t["key"].isNotNull() & t["key_bytes"].isNotNull(),
+            "a key is either text (key) or bytes that are not UTF-8 (key_bytes), not both; drop one and ingest "
+            "the row again",
+        ),
+    ]
+    # One way to store a key: bytes that are UTF-8 are text (`key`), so a row reads the same
+    # whichever column its source used, and `key_bytes` holds only what text cannot.
+    given_bytes = t["key_bytes"]
+    is_text = F.is_valid_utf8(given_bytes.cast("string"))
+    t["key"] = F.coalesce(t["key"], F.when(is_text, given_bytes.cast("string")))
+    t["key_bytes"] = F.when(~is_text, given_bytes)
     for name in _ID_COLUMNS + ("producer_epoch",):
         errors.append(rule("negative_id", t[name] < 0, F.concat(F.lit(f"{name} must not be negative, got "), t[name].cast("string"))))
     # A line that did not parse gets that one reason, not the cascade of missing fields.
@@ -460,6 +481,13 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
         if isinstance(source_type, FractionalType) and isinstance(target, _INTEGRAL):
             bad = bad | (value != col)  # 1.5 is no id (try_cast would truncate it to 1)
         return value, F.when(bad, F.lit(f"type:{name} has type {source_type.simpleString()}, expected {target.simpleString()}"))
+    if isinstance(target, ArrayType):  # headers: JSON text of [{"key": text, "value": base64 or null}, ...]
+        items = F.from_json(col, "array<struct<key:string,value:string>>")
+        bad_item = F.exists(items, lambda h: h["key"].isNull() | (h["value"].isNotNull() & ~h["value"].rlike(_BASE64)))
+        value = F.when(~bad_item, F.transform(items, lambda h: F.struct(h["key"].alias("key"), F.unbase64(h["value"]).alias("value"))))
+        message = F.concat(F.lit(f"type:{name} is not a JSON array of {{\"key\": text, \"value\": base64 or null}}: '"),
+                           F.substring(col, 1, 60), F.lit("'; write the headers so and ingest the row again"))
+        return value, F.when(col.isNotNull() & value.isNull(), message)
     if isinstance(target, (LongType, IntegerType)):
         value = F.expr(f"try_cast(trim(`{name}`) as {target.simpleString()})")
         what = "an integer" if isinstance(target, LongType) else "a 32-bit integer"
@@ -472,8 +500,8 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
     message = F.concat(F.lit(f"type:{name} is not {what}: '"), F.substring(col, 1, 60), F.lit("'"))
     if isinstance(target, BinaryType):
         message = F.concat(message, F.lit(
-            "; a payload in JSONL or CSV (or a Parquet string column) must be base64: only A-Z a-z 0-9 + /, "
-            "padded with = to a multiple of 4 characters. Encode the payload bytes as base64 (or write a "
+            f"; a {name} in JSONL or CSV (or a Parquet string column) must be base64: only A-Z a-z 0-9 + /, "
+            f"padded with = to a multiple of 4 characters. Encode the {name} bytes as base64 (or write a "
             "Parquet binary column) and ingest the row again"
         ))
     return value, F.when(bad, message)

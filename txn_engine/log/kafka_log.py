@@ -288,16 +288,17 @@ def _parse_batch(topic, ledger_id, buf, start, end, out, open_txn, closed_here) 
         else:
             entry_type = "DATA"
         ts = max_ts if log_append_time else base_ts + ts_delta
+        text_key = _utf8(key)
         out.add(
             **common,
             entry_id=offset - ledger_id,
             entry_type=entry_type,
             sequence_id=base_seq + offset_delta if base_seq >= 0 and not control else None,
             publish_time=ts * 1000 if ts >= 0 else None,
-            key=_utf8(key),
-            key_bytes=key,
+            key=text_key,
+            key_bytes=key if text_key is None else None,  # only what `key` cannot hold
             payload=value,
-            headers=headers,
+            headers=headers or None,  # Kafka cannot tell no headers from an empty list: null
         )
     if pos != len(body):
         raise CorruptBatch(f"batch at byte {start} holds {len(body) - pos} bytes after its {count} records")
