@@ -32,6 +32,8 @@ from resources.kafka_jars import require_kafka_jars
 SEGMENT_BYTES = 4096
 TOPIC = "orders"  # 2 partitions: the transactional workload
 PLAIN = "plain"  # 1 partition, LogAppendTime: plain sends without a producer id
+COMPACTED = "compacted"  # 1 partition, cleanup.policy=compact, cleaned before the truth is read
+CLEAN_TIMEOUT_S = 30
 START_TIMEOUT_S = 60
 # librdkafka's own log (the clients reconnecting while the broker stops, expected aborts) goes to
 # Python logging, which pytest captures, not to stderr.
@@ -89,6 +91,8 @@ def running_broker(root: Path) -> Iterator[Broker]:
         "group.initial.rebalance.delay.ms": "0",
         "transaction.abort.timed.out.transaction.cleanup.interval.ms": str(TXN_ABORT_SCAN_MS),
         "auto.create.topics.enable": "false",
+        # The log cleaner looks for work often, so the compacted topic is cleaned within the test.
+        "log.cleaner.backoff.ms": "200",
     }
     config = root / "server.properties"
     config.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
@@ -136,7 +140,9 @@ def write_workload(bootstrap: str) -> list:
     admin = AdminClient({"bootstrap.servers": bootstrap, "logger": CLIENT_LOG})
     small = {"internal.segment.bytes": str(SEGMENT_BYTES)}
     topics = [NewTopic(TOPIC, 2, 1, config=small),
-              NewTopic(PLAIN, 1, 1, config={**small, "message.timestamp.type": "LogAppendTime"})]
+              NewTopic(PLAIN, 1, 1, config={**small, "message.timestamp.type": "LogAppendTime"}),
+              NewTopic(COMPACTED, 1, 1, config={**small, "cleanup.policy": "compact", "min.cleanable.dirty.ratio": "0.01",
+                                                "segment.ms": "100"})]
     for future in admin.create_topics(topics).values():
         future.result(30)
 
@@ -210,6 +216,24 @@ def write_workload(bootstrap: str) -> list:
         plain.produce(PLAIN, key=b"\x00" * (j % 3), value=None if j % 5 == 0 else f"plain{j}".encode())
     idempotent.flush(30)
     plain.flush(30)
+    # A compacted topic: keys written over and over, a transaction committed and one aborted.
+    for j in range(60):  # a batch per 10 records, each in a segment of its own (segment.ms)
+        plain.produce(COMPACTED, key=f"c{j % 6}".encode(), value=f"v{j}".encode() * 20)
+        if j % 10 == 9:
+            plain.flush(30)
+            time.sleep(0.12)
+    for p, commit in ((producers[3], True), (producers[0], False)):
+        p.begin_transaction()
+        for j in range(3):
+            p.produce(COMPACTED, key=f"c{j}".encode(), value=f"txn{j}".encode() * 20)
+        p.flush(30)
+        p.commit_transaction(30) if commit else p.abort_transaction(30)
+        time.sleep(0.12)
+    for j in range(60, 90):
+        plain.produce(COMPACTED, key=f"c{j % 6}".encode(), value=f"v{j}".encode() * 20)
+        if j % 10 == 9:
+            plain.flush(30)
+            time.sleep(0.12)
     # One transaction left open over several segments of partition 1, with committed data after
     # it: above the last stable offset, below the high watermark.
     left_open = transactional("tx-open", **{"transaction.timeout.ms": 600_000})
@@ -234,6 +258,18 @@ class Truth:
     high_watermarks: dict[str, int] = field(default_factory=dict)
     # (offset, key, value, headers as a list of (name, value)), timestamp type, timestamp ms)
     records: dict[str, list[tuple]] = field(default_factory=dict)
+
+
+def wait_until_cleaned(log_dir: Path, topic: str) -> None:
+    """Until the log cleaner has cleaned something of `topic`'s partition 0 (its checkpoint says so)."""
+    checkpoint = log_dir / "cleaner-offset-checkpoint"
+    deadline = time.monotonic() + CLEAN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        lines = checkpoint.read_text().splitlines()[2:] if checkpoint.is_file() else []
+        if any(line.split()[:2] == [topic, "0"] and int(line.split()[2]) > 0 for line in lines):
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"the log cleaner did not clean {topic}-0 within {CLEAN_TIMEOUT_S}s")
 
 
 def read_truth(bootstrap: str, topics: dict[str, int]) -> Truth:
@@ -289,7 +325,8 @@ def kafka_log(shared: Path) -> KafkaLog:
         if not done.is_file():
             with running_broker(shared / "broker") as broker:
                 alive = write_workload(broker.bootstrap)
-                truth = read_truth(broker.bootstrap, {TOPIC: 2, PLAIN: 1})
+                wait_until_cleaned(broker.log_dir, COMPACTED)
+                truth = read_truth(broker.bootstrap, {TOPIC: 2, PLAIN: 1, COMPACTED: 1})
                 broker.stop()  # before the clients go: the open transaction stays open
             del alive
             done.write_bytes(pickle.dumps(truth))

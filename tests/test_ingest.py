@@ -48,6 +48,28 @@ def test_jsonl_rows_land_typed(warehouse, tmp_path):
     assert warehouse.read(QUARANTINE_ENTRIES).count() == 0  # the table the summary names exists, empty
 
 
+def test_jsonl_keys_as_bytes_headers_and_timestamp_types(warehouse, tmp_path):
+    """The lossless columns from text: a key of bytes (base64) that is UTF-8 is stored as text,
+    one that is not as key_bytes; headers a JSON array, values base64 or null; bad ones quarantined."""
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    rows = [
+        {**entry("k-0", 1, 0), "key_bytes": b64(b"\xff\x00"), "timestamp_type": "LOG_APPEND_TIME",
+         "headers": json.dumps([{"key": "a", "value": b64(b"\x00")}, {"key": "a", "value": None}, {"key": "e", "value": ""}])},
+        {**entry("k-0", 1, 1), "key_bytes": b64("t\u00e9xt".encode())},
+        {**entry("k-0", 1, 2), "key_bytes": "", "timestamp_type": "CREATE_TIME"},
+        {**entry("k-0", 1, 3), "key": "k", "key_bytes": b64(b"\xff")},
+        {**entry("k-0", 1, 4), "timestamp_type": "WALL_CLOCK"},
+        {**entry("k-0", 1, 5), "headers": json.dumps([{"value": b64(b"x")}])},
+    ]
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", rows))])
+    assert summary.quarantine_by_rule == {"key_twice": 1, "timestamp_type": 1, "type": 1}
+    got = {r.entry_id: r for r in warehouse.read(LEDGER_ENTRIES).collect()}
+    assert (got[0].key, got[0].key_bytes, got[0].timestamp_type) == (None, bytearray(b"\xff\x00"), "LOG_APPEND_TIME")
+    assert [(h.key, h.value) for h in got[0].headers] == [("a", bytearray(b"\x00")), ("a", None), ("e", bytearray())]
+    assert (got[1].key, got[1].key_bytes) == ("t\u00e9xt", None)
+    assert (got[2].key, got[2].key_bytes, got[2].headers) == ("", None, None)
+
+
 def write_parquet(path, rows, publish_time):
     """`rows` (tests.rows.entry dicts) as Parquet with typed columns; `publish_time` an Arrow array."""
     table = pa.table(
@@ -158,8 +180,8 @@ def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
     ]
     assert summary.quarantine_by_rule == Counter([r for _, r, _ in BAD_ROWS] + ["type", "publish_time_range", "type"])
     assert stored(warehouse) == [
-        ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x")),
-        ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None),
+        ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x"), None, None, None),
+        ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None, None, None, None),
     ]
 
 

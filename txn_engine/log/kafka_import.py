@@ -234,10 +234,16 @@ def index_entries(spark: SparkSession, segments: Sequence[Segment]) -> list[tupl
 
 @dataclass
 class IndexComparison:
+    """Aborted transactions as (topic, producer id, first offset, last offset), matched by
+    (topic, producer id, last offset): the ABORT marker's position names one transaction."""
+
     only_in_index: list[tuple[str, int, int, int]]
     only_in_aborted_txns: list[tuple[str, int, int, int]]
-    # ABORT markers with no data before them: in our abort set, never in Kafka's index.
+    # Legitimate differences: an ABORT with no data before it is in our abort set, never in Kafka's
+    # index; after the log cleaner removed an aborted transaction's data, the index still has its
+    # first offset and our abort set the marker's (pairs: index entry, ours).
     marker_only: list[tuple[str, int, int, int]]
+    cleaned: list[tuple[tuple[str, int, int, int], tuple[str, int, int, int]]]
 
     @property
     def equal(self) -> bool:
@@ -245,20 +251,28 @@ class IndexComparison:
 
 
 def verify_against_index(warehouse: Warehouse, paths: Sequence[str]) -> IndexComparison:
-    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries, as
-    (topic, producer id, first offset, last offset)."""
+    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries."""
     spark = warehouse.spark
     segments = resolve_segments(spark, paths)
     topics = sorted({s.topic for s in segments})
-    index = set(index_entries(spark, segments))
     if not warehouse.exists(ABORTED_TXNS):
         raise InputFileError("aborted_txns does not exist yet; run `txnlake run` after the import, then verify")
-    ours = {(r["topic"], r["txn_most_bits"], r["txn_least_bits"], r["abort_ledger_id"] + r["abort_entry_id"])
-            for r in warehouse.read(ABORTED_TXNS).where(F.col("topic").isin(topics)).collect()}
-    # The index holds the aborts of segments still on disk: compare from the first one's offset.
-    firsts = {}
+    index = {(t, pid, last): (t, pid, first, last) for t, pid, first, last in index_entries(spark, segments)}
+    # The index holds the aborts of segments still on disk: compare from each partition's first one.
+    firsts: dict[str, int] = {}
     for s in segments:
         firsts[s.topic] = min(firsts.get(s.topic, s.base_offset), s.base_offset)
-    ours = {a for a in ours if a[3] >= firsts[a[0]]}
-    marker_only = sorted(a for a in ours - index if a[2] == a[3])
-    return IndexComparison(sorted(index - ours), sorted(ours - index - set(marker_only)), marker_only)
+    ours = {}
+    for r in warehouse.read(ABORTED_TXNS).where(F.col("topic").isin(topics)).collect():
+        last = r["abort_ledger_id"] + r["abort_entry_id"]
+        if last >= firsts[r["topic"]]:
+            ours[(r["topic"], r["txn_most_bits"], last)] = (r["topic"], r["txn_most_bits"], r["txn_least_bits"], last)
+    marker_only = sorted(a for k, a in ours.items() if k not in index and a[2] == a[3])
+    cleaned = sorted((index[k], a) for k, a in ours.items() if k in index and index[k] != a and a[2] == a[3])
+    differ = sorted((index[k], a) for k, a in ours.items() if k in index and index[k] != a and a[2] != a[3])
+    return IndexComparison(
+        only_in_index=sorted([a for k, a in index.items() if k not in ours] + [i for i, _ in differ]),
+        only_in_aborted_txns=sorted([a for k, a in ours.items() if k not in index and a[2] != a[3]] + [o for _, o in differ]),
+        marker_only=marker_only,
+        cleaned=cleaned,
+    )
