@@ -172,7 +172,8 @@ def batch_spans(buf: bytes) -> Iterator[tuple[int, int]]:
 
 
 class _Columns:
-    """Column lists of the rows being built: one append per record, one Arrow table at the end."""
+    """Column lists of the rows being built, extended a batch at a time (a batch's constants
+    repeated in one step); one Arrow table at the end."""
 
     def __init__(self) -> None:
         self.cols: dict[str, list] = {f.name: [] for f in PARSED_SCHEMA}
@@ -180,6 +181,13 @@ class _Columns:
     def add(self, **row) -> None:
         for name, values in self.cols.items():
             values.append(row.get(name))
+
+    def extend(self, count: int, constants: dict, varying: dict) -> None:
+        for name, values in self.cols.items():
+            if name in varying:
+                values.extend(varying[name])
+            else:
+                values.extend([constants.get(name)] * count)
 
     def table(self) -> pa.Table:
         return pa.table(self.cols, schema=PARSED_SCHEMA)
@@ -251,6 +259,7 @@ def _parse_batch(topic, ledger_id, buf, start, end, out, open_txn, closed_here) 
         common.update(txn_most_bits=producer_id, txn_least_bits=txn[0], carry=txn[1])
     else:
         common.update(carry=False)
+    entry_ids, sequences, times, keys, key_bytes, values, header_lists, types = [], [], [], [], [], [], [], []
     pos = 0
     for _ in range(count):
         length, pos = _varint(body, pos)
@@ -262,17 +271,20 @@ def _parse_batch(topic, ledger_id, buf, start, end, out, open_txn, closed_here) 
         key = None if key_len < 0 else body[pos : pos + key_len]
         pos += max(key_len, 0)
         value_len, pos = _varint(body, pos)
-        value = None if value_len < 0 else body[pos : pos + value_len]
+        values.append(None if value_len < 0 else body[pos : pos + value_len])
         pos += max(value_len, 0)
         header_count, pos = _varint(body, pos)
-        headers = []
-        for _h in range(header_count):
-            name_len, pos = _varint(body, pos)
-            name = body[pos : pos + name_len].decode("utf-8")
-            pos += name_len
-            hv_len, pos = _varint(body, pos)
-            headers.append({"key": name, "value": None if hv_len < 0 else body[pos : pos + hv_len]})
-            pos += max(hv_len, 0)
+        headers = None  # Kafka cannot tell no headers from an empty list: null
+        if header_count:
+            headers = []
+            for _h in range(header_count):
+                name_len, pos = _varint(body, pos)
+                name = body[pos : pos + name_len].decode("utf-8")
+                pos += name_len
+                hv_len, pos = _varint(body, pos)
+                headers.append({"key": name, "value": None if hv_len < 0 else body[pos : pos + hv_len]})
+                pos += max(hv_len, 0)
+        header_lists.append(headers)
         if pos != record_end:
             raise CorruptBatch(f"batch at byte {start}: record at offset {base_offset + offset_delta} is "
                                f"{length} bytes by its header, {length + pos - record_end} by its fields")
@@ -284,24 +296,21 @@ def _parse_batch(topic, ledger_id, buf, start, end, out, open_txn, closed_here) 
             if kind not in CONTROL_TYPES:
                 raise CorruptBatch(f"batch at byte {start}: control record type {kind} at offset {offset} "
                                    "is neither ABORT (0) nor COMMIT (1)")
-            entry_type = CONTROL_TYPES[kind]
-        else:
-            entry_type = "DATA"
+            types.append(CONTROL_TYPES[kind])
+        entry_ids.append(offset - ledger_id)
+        sequences.append(base_seq + offset_delta if base_seq >= 0 and not control else None)
         ts = max_ts if log_append_time else base_ts + ts_delta
+        times.append(ts * 1000 if ts >= 0 else None)
         text_key = _utf8(key)
-        out.add(
-            **common,
-            entry_id=offset - ledger_id,
-            entry_type=entry_type,
-            sequence_id=base_seq + offset_delta if base_seq >= 0 and not control else None,
-            publish_time=ts * 1000 if ts >= 0 else None,
-            key=text_key,
-            key_bytes=key if text_key is None else None,  # only what `key` cannot hold
-            payload=value,
-            headers=headers or None,  # Kafka cannot tell no headers from an empty list: null
-        )
+        keys.append(text_key)
+        key_bytes.append(key if text_key is None else None)  # only what `key` cannot hold
     if pos != len(body):
         raise CorruptBatch(f"batch at byte {start} holds {len(body) - pos} bytes after its {count} records")
+    varying = {"entry_id": entry_ids, "sequence_id": sequences, "publish_time": times, "key": keys,
+               "key_bytes": key_bytes, "payload": values, "headers": header_lists}
+    if control:
+        varying["entry_type"] = types
+    out.extend(count, {**common, "entry_type": "DATA"}, varying)
 
 
 def open_at_end(table: pa.Table) -> dict[int, tuple[int, bool]]:
