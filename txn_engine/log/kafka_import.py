@@ -1,17 +1,11 @@
-"""`txnlake import-kafka`: a Kafka log directory (or partition folders, or segment files) into
-`ledger_entries`, through the same validated, idempotent, crash-safe append as `ingest`.
+"""`txnlake import-kafka`: Kafka segments into `ledger_entries` through ingest's validated,
+idempotent, crash-safe append (`ingest.validate`, `ingest.append_validated`).
 
-Segments are parsed on Spark, a file per task (`binaryFile` + `mapInArrow`: each segment reaches
-its Python worker as one Arrow value, its rows leave as Arrow batches), by `kafka_log`. The only
-thing that crosses segments is a transaction's id (its first offset, `kafka_log`): a row of a
-transaction already open where its segment starts is resolved in the driver from a row per
-(segment, producer) and, when the import does not start at the partition's first stored ledger,
-from the stored rows before it. Then the rows go through `ingest.validate` and
-`ingest.append_validated`: a re-import adds nothing, a different row at a stored position is
-quarantined, and a batch that cannot be read is quarantined with its segment and byte position
-(rule `corrupt_batch`).
-
-`verify_against_index` compares `aborted_txns` with the segments' `.txnindex` files.
+Segments are parsed on Spark, a file per task (`binaryFile` + `mapInArrow`, `kafka_log`); the
+transactions carried across segments are resolved in the driver from a row per (segment,
+producer) and the stored rows before the import. A batch that cannot be read is quarantined
+with its segment and byte position (rule `corrupt_batch`). `verify_against_index` compares
+`aborted_txns` with the segments' `.txnindex`. See docs/kafka-import.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Kafka's on-disk log, read without a broker: segment files of record batches (format v2) and
-the aborted-transaction index (`.txnindex`). Pure Python and Arrow; no Spark here.
+"""Kafka's on-disk log read without a broker: segments of record batches (format v2, every
+codec, CRC-32C checked) and the aborted-transaction index (`.txnindex`). No Spark here.
 
-A partition's folder `<topic>-<partition>` holds segments named by their base offset
-(`00000000000000000042.log`). A segment is a run of record batches; each batch header says its
-base offset, producer (id, epoch, first sequence), compression codec, whether it is
-transactional or a control batch, and a CRC-32C over everything after the CRC field. Control
-batches hold one record whose key says COMMIT (1) or ABORT (0).
-
-`parse_segment` maps a segment to `ledger_entries` rows (topic `<topic>-<partition>`, ledger =
-segment, `entry_id` = offset - base offset). A transaction has no id in Kafka's log: as the
-broker does, a producer's transactional batches up to its next control batch on the partition
-form one transaction, named (`txn_most_bits`, `txn_least_bits`) = (producer id, offset of its
-first record; a marker with no data before it: the marker's own offset). That first offset may
-lie in an earlier segment, so rows of a transaction already open where the segment starts are
-flagged `carry` and get their id from `resolve_carries` over the partition's segments in order.
+`parse_segment` maps a segment to `ledger_entries` rows: topic `<topic>-<partition>`, ledger =
+segment (its base offset), entry_id = offset - base offset, control records as COMMIT/ABORT.
+A transaction's id is (producer id, offset of its first record); rows of a transaction already
+open where the segment starts are flagged `carry` and resolved by `resolve_carries` over the
+partition's segments in order. The mapping and its limits: docs/kafka-import.md.
 """
 
 from __future__ import annotations
