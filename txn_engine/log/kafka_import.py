@@ -23,7 +23,7 @@ from txn_engine.core.schema import ABORTED_TXNS, LEDGER_ENTRIES, LEDGER_ENTRY_CO
 from txn_engine.log import kafka_log
 from txn_engine.log.ingest import IngestSummary, append_validated, validate
 from txn_engine.log.ledgers import ledger_ranges
-from txn_engine.storage.delta_io import local_frame
+from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.warehouse import Warehouse
 
 PARSED_DDL = (
