@@ -34,6 +34,7 @@ TOPIC = "orders"  # 2 partitions: the transactional workload
 PLAIN = "plain"  # 1 partition, LogAppendTime: plain sends without a producer id
 COMPACTED = "compacted"  # 1 partition, cleanup.policy=compact, cleaned before the truth is read
 CLEAN_TIMEOUT_S = 30
+STABLE_TIMEOUT_S = 30
 START_TIMEOUT_S = 60
 # librdkafka's own log (the clients reconnecting while the broker stops, expected aborts) goes to
 # Python logging, which pytest captures, not to stderr.
@@ -194,7 +195,7 @@ def write_workload(bootstrap: str) -> list:
     for j in range(4):
         slow.produce(TOPIC, partition=j % 2, value=f"timed-out{j}".encode())
     slow.flush(30)
-    time.sleep((SHORT_TXN_TIMEOUT_MS + 3 * TXN_ABORT_SCAN_MS) / 1000)
+    wait_until_stable(admin, TOPIC, 2)  # the coordinator's abort markers are written
     try:
         slow.commit_transaction(10)
         raise AssertionError("a timed-out transaction committed")
@@ -258,6 +259,22 @@ class Truth:
     high_watermarks: dict[str, int] = field(default_factory=dict)
     # (offset, key, value, headers as a list of (name, value)), timestamp type, timestamp ms)
     records: dict[str, list[tuple]] = field(default_factory=dict)
+
+
+def wait_until_stable(admin, topic: str, partitions: int) -> None:
+    """Until no transaction is open on the topic's partitions (last stable offset = high watermark)."""
+    from confluent_kafka import IsolationLevel, TopicPartition
+    from confluent_kafka.admin import OffsetSpec
+
+    latest = {TopicPartition(topic, p): OffsetSpec.latest() for p in range(partitions)}
+    deadline = time.monotonic() + STABLE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        offsets = [{tp: f.result(30).offset for tp, f in admin.list_offsets(latest, isolation_level=level).items()}
+                   for level in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED)]
+        if offsets[0] == offsets[1]:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"a transaction on {topic} was still open after {STABLE_TIMEOUT_S}s")
 
 
 def wait_until_cleaned(log_dir: Path, topic: str) -> None:
