@@ -62,13 +62,15 @@ def ingest_ledger_entries(
     context: OpExecutionContext, config: IngestConfig, spark: SparkResource, warehouse: WarehouseResource
 ) -> None:
     """Ingest raw ledger files: valid rows to ledger_entries, invalid ones to quarantine_entries."""
-    if not config.paths:
-        raise Failure(
-            description="no input files: set config `paths` to the raw ledger files to ingest "
-            "(or run `txnlake ingest FILE...`)."
-        )
-    wh = warehouse.open(spark.session())
+    wh = _open_for_append(config.paths, spark, warehouse, "no input files: set config `paths` to the raw ledger "
+                          "files to ingest (or run `txnlake ingest FILE...`).")
     _report_append(context, wh, ingest_files(wh, config.paths))
+
+
+def _open_for_append(paths: list[str], spark: SparkResource, warehouse: WarehouseResource, no_input: str):
+    if not paths:
+        raise Failure(description=no_input)
+    return warehouse.open(spark.session())
 
 
 def _report_append(context: OpExecutionContext, wh, summary: IngestSummary, **extra) -> None:
@@ -112,10 +114,8 @@ class KafkaImportConfig(Config):
 def import_kafka_segments(
     context: OpExecutionContext, config: KafkaImportConfig, spark: SparkResource, warehouse: WarehouseResource
 ) -> None:
-    if not config.paths:
-        raise Failure(description="no input: set config `paths` to a Kafka log directory, partition folders or segment "
-                      "files (or run `txnlake import-kafka PATH...`).")
-    wh = warehouse.open(spark.session())
+    wh = _open_for_append(config.paths, spark, warehouse, "no input: set config `paths` to a Kafka log directory, "
+                          "partition folders or segment files (or run `txnlake import-kafka PATH...`).")
     result = import_kafka(wh, config.paths, progress=context.log.info)
     _report_append(context, wh, result.ingest, partitions=MetadataValue.json(result.ingest.rows_by_topic))
 
