@@ -36,6 +36,8 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 		$(VENV)/bin/txnlake generate --force --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake ingest $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake demo || exit 1; \
+	else \
+		$(VENV)/bin/txnlake migrate || exit 1; \
 	fi
 	$(VENV)/bin/txnlake run
 	$(VENV)/bin/txnlake snapshot
