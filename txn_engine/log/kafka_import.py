@@ -75,7 +75,7 @@ def resolve_segments(spark: SparkSession, paths: Sequence[str]) -> list[Segment]
                     raise InputFileError(f"{raw} is not a Kafka segment: a segment is a <20-digit base offset>.log file in a "
                                          "<topic>-<partition> folder; nothing was imported")
                 continue
-            head = bytes(jvm.org.apache.commons.io.IOUtils.toByteArray(fs.open(f.getPath()), min(17, f.getLen())))
+            head = _read_bytes(jvm, fs, f.getPath(), min(17, f.getLen()))
             try:
                 kafka_log.check_format(uri, head)
             except kafka_log.SegmentFormatError as exc:
@@ -85,6 +85,16 @@ def resolve_segments(spark: SparkSession, paths: Sequence[str]) -> list[Segment]
             raise InputFileError(f"{raw} holds no Kafka segment (<topic>-<partition>/<base offset>.log); nothing was imported")
         found.update((s.path, s) for s in segments)
     return sorted(found.values(), key=lambda s: (s.topic, s.base_offset))
+
+
+def _read_bytes(jvm, fs, path, size: int | None = None) -> bytes:
+    """A file's first `size` bytes (all when None) through Hadoop's file system, closed after."""
+    stream = fs.open(path)
+    try:
+        io = jvm.org.apache.commons.io.IOUtils
+        return bytes(io.toByteArray(stream) if size is None else io.toByteArray(stream, size))
+    finally:
+        stream.close()
 
 
 def _parse_files(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -221,7 +231,7 @@ def index_entries(spark: SparkSession, segments: Sequence[Segment]) -> list[tupl
         fs = path.getFileSystem(conf)
         if not fs.exists(path):
             continue
-        body = bytes(jvm.org.apache.commons.io.IOUtils.toByteArray(fs.open(path)))
+        body = _read_bytes(jvm, fs, path)
         out += [(s.topic, e.producer_id, e.first_offset, e.last_offset) for e in kafka_log.parse_txn_index(body)]
     return out
 
