@@ -177,16 +177,22 @@ def fetch_delta_jars() -> list[Path]:
     return require_delta_jars() + require_s3_jars()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv  # `fetch` downloads; `check` (or nothing) only checks
+def jar_cli(argv: list[str] | None, fetch, require, error: type[ConfigurationError]) -> int:
+    """A jar module's command line: `fetch` downloads what is missing; `check` (or nothing) only
+    checks; prints the jars' paths, or the error and exits 1."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        paths = fetch_delta_jars() if args[:1] == ["fetch"] else require_delta_jars() + require_s3_jars()
-    except DeltaJarsMissingError as exc:
+        paths = fetch() if args[:1] == ["fetch"] else require()
+    except error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return jar_cli(argv, fetch_delta_jars, lambda: require_delta_jars() + require_s3_jars(), DeltaJarsMissingError)
 
 
 if __name__ == "__main__":

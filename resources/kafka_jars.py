@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from resources.delta_jars import fetch_jars, jar_cache_dir, jar_name, require_jars
+from resources.delta_jars import fetch_jars, jar_cache_dir, jar_cli, jar_name, require_jars
 from txn_engine.core.errors import KafkaJarsMissingError
 
 KAFKA_VERSION = "4.1.1"
@@ -82,15 +82,7 @@ def fetch_kafka_jars() -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv  # `fetch` downloads; `check` (or nothing) only checks
-    try:
-        paths = fetch_kafka_jars() if args[:1] == ["fetch"] else require_kafka_jars()
-    except KafkaJarsMissingError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    for path in paths:
-        print(path)
-    return 0
+    return jar_cli(argv, fetch_kafka_jars, require_kafka_jars, KafkaJarsMissingError)
 
 
 if __name__ == "__main__":
