@@ -10,10 +10,12 @@ DEMO_ENTRIES ?= 20000
 
 .PHONY: setup run test test-fast bench ui clean-warehouse
 
-## setup: create .venv, install the project (pinned), fetch the jars once (Delta Lake, S3A) and
-## compile the S3 log store (resources/delta_jars.py; needs a JDK). Idempotent.
+## setup: create .venv, install the project (pinned), fetch the jars once (Delta Lake, S3A, and the
+## Kafka broker the tests start: tests/kafka_broker.py) and compile the S3 log store
+## (resources/delta_jars.py; needs a JDK). Idempotent.
 setup: $(INSTALLED)
 	@$(PY) -m resources.delta_jars check >/dev/null 2>&1 || $(PY) -m resources.delta_jars fetch
+	@$(PY) -m resources.kafka_jars check >/dev/null 2>&1 || $(PY) -m resources.kafka_jars fetch
 
 $(INSTALLED): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +36,8 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 		$(VENV)/bin/txnlake generate --force --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake ingest $(DEMO_FILE) && \
 		$(VENV)/bin/txnlake demo || exit 1; \
+	else \
+		$(VENV)/bin/txnlake migrate || exit 1; \
 	fi
 	$(VENV)/bin/txnlake run
 	$(VENV)/bin/txnlake snapshot

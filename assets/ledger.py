@@ -23,7 +23,8 @@ from assets.metadata import table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.storage.delta_io import overwrite_small
-from txn_engine.log.ingest import gap_warnings, ingest_files
+from txn_engine.log.ingest import IngestSummary, gap_warnings, ingest_files
+from txn_engine.log.kafka_import import import_kafka
 from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
@@ -61,13 +62,19 @@ def ingest_ledger_entries(
     context: OpExecutionContext, config: IngestConfig, spark: SparkResource, warehouse: WarehouseResource
 ) -> None:
     """Ingest raw ledger files: valid rows to ledger_entries, invalid ones to quarantine_entries."""
-    if not config.paths:
-        raise Failure(
-            description="no input files: set config `paths` to the raw ledger files to ingest "
-            "(or run `txnlake ingest FILE...`)."
-        )
-    wh = warehouse.open(spark.session())
-    summary = ingest_files(wh, config.paths)
+    wh = _open_for_append(config.paths, spark, warehouse, "no input files: set config `paths` to the raw ledger "
+                          "files to ingest (or run `txnlake ingest FILE...`).")
+    _report_append(context, wh, ingest_files(wh, config.paths))
+
+
+def _open_for_append(paths: list[str], spark: SparkResource, warehouse: WarehouseResource, no_input: str):
+    if not paths:
+        raise Failure(description=no_input)
+    return warehouse.open(spark.session())
+
+
+def _report_append(context: OpExecutionContext, wh, summary: IngestSummary, **extra) -> None:
+    """Log an append's summary and report the materializations of the two tables it wrote."""
     for line in summary.lines():
         context.log.info(line)
     if summary.entry_id_gaps:
@@ -84,6 +91,7 @@ def ingest_ledger_entries(
         "quarantine_by_rule": MetadataValue.json(summary.quarantine_by_rule),
         # A warning, not an error: ledgers written to whose entry ids are not dense.
         "entry_id_gaps": MetadataValue.json(summary.entry_id_gaps),
+        **extra,
     }
     for table in (LEDGER_ENTRIES, QUARANTINE_ENTRIES):
         context.log_event(AssetMaterialization(asset_key=table, metadata=table_metadata(wh, table, **common)))
@@ -93,6 +101,29 @@ def ingest_ledger_entries(
      "ingest` does).")
 def ingest_job():
     ingest_ledger_entries()
+
+
+class KafkaImportConfig(Config):
+    paths: list[str] = Field(
+        default_factory=list,
+        description="A Kafka log directory, <topic>-<partition> folders or .log segment files (any URI Spark reads).",
+    )
+
+
+@op(name="import_kafka_segments", description="Import Kafka log segments into ledger_entries (docs/kafka-import.md).")
+def import_kafka_segments(
+    context: OpExecutionContext, config: KafkaImportConfig, spark: SparkResource, warehouse: WarehouseResource
+) -> None:
+    wh = _open_for_append(config.paths, spark, warehouse, "no input: set config `paths` to a Kafka log directory, "
+                          "partition folders or segment files (or run `txnlake import-kafka PATH...`).")
+    result = import_kafka(wh, config.paths, progress=context.log.info)
+    _report_append(context, wh, result.ingest, partitions=MetadataValue.json(result.ingest.rows_by_topic))
+
+
+@job(name="import_kafka", description="Import a Kafka log: set ops.import_kafka_segments.config.paths (what `txnlake "
+     "import-kafka` does).")
+def import_kafka_job():
+    import_kafka_segments()
 
 
 @asset(
@@ -125,4 +156,4 @@ ledgers_catalog_job = define_asset_job(
 )
 
 
-defs = Definitions(assets=[*LEDGER_SPECS, ledgers], jobs=[ingest_job, ledgers_catalog_job])
+defs = Definitions(assets=[*LEDGER_SPECS, ledgers], jobs=[ingest_job, import_kafka_job, ledgers_catalog_job])

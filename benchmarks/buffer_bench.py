@@ -31,13 +31,15 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
+    from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA
 
     order = Window.orderBy("topic", "ledger_id", "entry_id")
     frame = spark.read.parquet(str(raw)).withColumn("_n", F.row_number().over(order) - 1)
     return frame.select(*[
-        F.lit(topic).alias(c) if c == "topic" else F.lit(ledger_id).cast("long").alias(c) if c == "ledger_id"
-        else F.col("_n").cast("long").alias(c) if c == "entry_id" else F.col(c) for c in LEDGER_ENTRY_COLUMNS
+        F.lit(topic).alias(f.name) if f.name == "topic" else F.lit(ledger_id).cast("long").alias(f.name) if f.name == "ledger_id"
+        else F.col("_n").cast("long").alias(f.name) if f.name == "entry_id" else F.col(f.name) if f.name in frame.columns
+        else F.lit(None).cast(f.dataType).alias(f.name)  # what a generated log leaves out (key_bytes, headers, ...)
+        for f in LEDGER_ENTRIES_SCHEMA.fields
     ])
 
 

@@ -147,6 +147,7 @@ def _round_rows(rows: int, first_entry: int) -> pa.Table:
         "key": pa.nulls(rows, pa.string()),
         "payload": pa.array([PAYLOAD] * rows, pa.binary()),
     }
+    columns.update({f.name: pa.nulls(rows, f.type) for f in schema if f.name not in columns})  # key_bytes, headers ...
     return pa.table(columns, schema=schema)
 
 

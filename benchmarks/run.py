@@ -19,6 +19,7 @@ BENCHMARKS = {
     "engine": "benchmarks.engine_bench",
     "snapshots": "benchmarks.snapshot_bench",
     "offload": "benchmarks.offload_bench",
+    "kafka": "benchmarks.kafka_bench",
 }
 
 

@@ -39,7 +39,7 @@ def log_frame(spark, first_txn: int, count: int):
         F.explode(F.array(F.lit(0), F.lit(1))).alias("k"),
         (per_topic * 2).alias("_n"),
     ).withColumn("_n", F.col("_n") + F.col("k"))
-    return rows.select(
+    rows = rows.select(
         "topic",
         # BookKeeper-style ids: unique across topics, increasing with creation time (the topics'
         # ledgers are created in turn).
@@ -54,7 +54,10 @@ def log_frame(spark, first_txn: int, count: int):
         F.current_timestamp().alias("publish_time"),
         F.lit(None).cast("string").alias("key"),
         F.when(F.col("k") == 0, F.expr("unhex(repeat('ab', 100))")).alias("payload"),
-    ).select(*[F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields])
+    )
+    # The columns a Pulsar-like log leaves null (key_bytes, headers, timestamp_type).
+    return rows.select(*[(F.col(f.name) if f.name in rows.columns else F.lit(None)).cast(f.dataType).alias(f.name)
+                         for f in LEDGER_ENTRIES_SCHEMA.fields])
 
 
 def as_ingested(frame, entries: int):

@@ -137,6 +137,50 @@ def _check_input_files(args: argparse.Namespace) -> None:
     check_input_files(args.paths)  # in Python, before Spark, the warehouse and the run
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from txn_engine.storage.migrate import migrate_warehouse
+
+    added = migrate_warehouse(_open_warehouse())
+    for table, columns in added.items():
+        print(f"  {table}: added {', '.join(columns)}")
+    print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    return 0
+
+
+def cmd_import_kafka(args: argparse.Namespace) -> int:
+    if args.verify:
+        from txn_engine.log.kafka_import import verify_against_index
+
+        comparison = verify_against_index(_open_warehouse(), args.paths)
+        for name, rows in (("in the .txnindex, not in aborted_txns", comparison.only_in_index),
+                           ("in aborted_txns, not in the .txnindex", comparison.only_in_aborted_txns)):
+            for topic, producer, first, last in rows:
+                print(f"  {name}: {topic} producer {producer} offsets {first}..{last}")
+        if comparison.marker_only:
+            print(f"  {len(comparison.marker_only)} ABORT marker(s) without data before them: in aborted_txns, never in "
+                  "Kafka's index (expected)")
+        if comparison.cleaned:
+            print(f"  {len(comparison.cleaned)} aborted transaction(s) whose data the log cleaner removed: the index keeps "
+                  "their first offset, aborted_txns the marker's (expected)")
+        print("aborted_txns matches the .txnindex" if comparison.equal else "aborted_txns differs from the .txnindex")
+        return 0 if comparison.equal else 1
+    from txn_engine.log.ingest import gap_warnings
+
+    result = _run("import_kafka", run_config={"ops": {"import_kafka_segments": {"config": {"paths": list(args.paths)}}}})
+    meta = _meta(result.get_asset_materialization_events()[0])
+    print(f"imported {len(meta['files'])} segment(s): {meta['rows_read']} records read, {meta['rows_written']} appended, "
+          f"{meta['rows_already_present']} already present, {meta['rows_quarantined']} quarantined")
+    for topic, by_status in sorted(meta["partitions"].items()):
+        print(f"  {topic}: {sum(by_status.values())} records, {by_status.get('NEW', 0)} appended, "
+              f"{by_status.get('PRESENT', 0)} already present, {by_status.get('QUARANTINED', 0)} quarantined")
+    for rule, n in sorted(meta["quarantine_by_rule"].items()):
+        print(f"  quarantined {n} x {rule}")
+    for line in gap_warnings(meta["entry_id_gaps"]):
+        print(line)
+    _print_materializations(result)
+    return 0
+
+
 def _add_closed_ledger_partitions(instance, wh) -> None:
     """Add the `ledgers` catalog's newly closed ledgers as ledger partitions (what the
     ledgers_closed_sensor does), in ledger order."""
@@ -298,8 +342,12 @@ def entry_line(e) -> str:
     """One entry of `txnlake read` on one line: position, tier, transaction, key, payload (the key
     escaped as the payload is, so a newline or tab in it cannot start a line that looks like an entry)."""
     txn = "-" if e.txn_most_bits is None else f"{e.txn_most_bits}:{e.txn_least_bits}"
-    key = "" if e.key is None else payload_text(e.key.encode("utf-8", "surrogateescape"))
-    return f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={key}\t{payload_text(e.payload)}"
+    # A key that is not UTF-8 is in key_bytes (shown as a bytes literal); headers only when there are.
+    raw_key = e.key.encode("utf-8", "surrogateescape") if e.key is not None else e.key_bytes
+    key = "" if raw_key is None else payload_text(raw_key)
+    headers = "" if not e.headers else "\theaders=" + ",".join(
+        f"{payload_text(h['key'].encode())}={'-' if h['value'] is None else payload_text(h['value'])}" for h in e.headers)
+    return f"{e.ledger_id}:{e.entry_id}\t{e.tier}\ttxn={txn}\tkey={key}{headers}\t{payload_text(e.payload)}"
 
 
 def cmd_read(args: argparse.Namespace) -> int:
@@ -528,6 +576,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help=".jsonl, .csv or .parquet files (or folders)")
     _add_quiet(p)
     p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
+
+    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse",
+                       description="Adds the columns added to the table contract since the warehouse was written "
+                       "(key_bytes, headers, timestamp_type) to every table of entries, empty for the stored rows. "
+                       "Only Delta's log changes; running it again does nothing.")
+    p.set_defaults(func=cmd_migrate)
+
+    p = sub.add_parser("import-kafka", help="import a Kafka log (segments) into ledger_entries",
+                       description="Parses Kafka log segments (record batch format v2, every codec, CRC-32C checked) and "
+                       "appends their records to ledger_entries as ingest does: a partition is a topic, a segment a "
+                       "ledger (docs/kafka-import.md). With --verify, compares aborted_txns (after `txnlake run`) with "
+                       "the segments' .txnindex and exits 1 on a difference.")
+    p.add_argument("paths", nargs="+", metavar="PATH", help="a Kafka log directory, <topic>-<partition> folders or .log files")
+    p.add_argument("--verify", action="store_true", help="compare aborted_txns with the .txnindex instead of importing")
+    _add_quiet(p)
+    p.set_defaults(func=cmd_import_kafka)
 
     p = sub.add_parser("run", help="materialize every derived asset over what the warehouse holds",
                        description="Refreshes the ledgers catalog, then materializes the transaction buffer's tables and "

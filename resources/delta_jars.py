@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pyspark
 
-from txn_engine.core.errors import DeltaJarsMissingError
+from txn_engine.core.errors import ConfigurationError, DeltaJarsMissingError
 
 DELTA_VERSION = "4.4.0"
 MAVEN_CENTRAL = "https://repo.maven.apache.org/maven2"
@@ -50,12 +50,12 @@ def jar_cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "txnlake" / "jars"
 
 
-def _jar_name(artifact: str, version: str) -> str:
+def jar_name(artifact: str, version: str) -> str:
     return f"{artifact}-{version}.jar"
 
 
 def delta_jar_paths() -> list[Path]:
-    return [jar_cache_dir() / _jar_name(a, v) for _, a, v in DELTA_ARTIFACTS]
+    return [jar_cache_dir() / jar_name(a, v) for _, a, v in DELTA_ARTIFACTS]
 
 
 def log_store_jar_path() -> Path:
@@ -65,13 +65,14 @@ def log_store_jar_path() -> Path:
 
 
 def s3_jar_paths() -> list[Path]:
-    return [jar_cache_dir() / _jar_name(a, v) for _, a, v in S3_ARTIFACTS] + [log_store_jar_path()]
+    return [jar_cache_dir() / jar_name(a, v) for _, a, v in S3_ARTIFACTS] + [log_store_jar_path()]
 
 
-def _require(paths: list[Path], what: str) -> list[Path]:
+def require_jars(paths: list[Path], what: str, error: type[ConfigurationError] = DeltaJarsMissingError) -> list[Path]:
+    """`paths` when all are cached; else `error` naming the missing ones and `make setup`."""
     missing = [p for p in paths if not p.is_file() or p.stat().st_size == 0]
     if missing:
-        raise DeltaJarsMissingError(
+        raise error(
             f"{what} are missing from the cache: "
             + ", ".join(str(p) for p in missing)
             + ". Run `make setup` (it fetches them once from Maven Central), or point "
@@ -82,13 +83,13 @@ def _require(paths: list[Path], what: str) -> list[Path]:
 
 def require_delta_jars() -> list[Path]:
     """The cached jar paths; raises DeltaJarsMissingError naming what is missing and what to do."""
-    return _require(delta_jar_paths(), "Delta Lake jars")
+    return require_jars(delta_jar_paths(), "Delta Lake jars")
 
 
 def require_s3_jars() -> list[Path]:
     """The S3A connector's jars and the log store's, for a warehouse on S3; DeltaJarsMissingError
     naming what is missing otherwise."""
-    return _require(s3_jar_paths(), "The S3 connector's jars (hadoop-aws, the AWS SDK bundle, txnlake's log store)")
+    return require_jars(s3_jar_paths(), "The S3 connector's jars (hadoop-aws, the AWS SDK bundle, txnlake's log store)")
 
 
 def _download(url: str, target: Path | None = None) -> bytes | str:
@@ -105,11 +106,13 @@ def _download(url: str, target: Path | None = None) -> bytes | str:
         return digest.hexdigest()
 
 
-def _fetch(artifacts: tuple[tuple[str, str, str], ...]) -> None:
-    cache = jar_cache_dir()
+def fetch_jars(artifacts: tuple[tuple[str, str, str], ...], cache: Path | None = None,
+               error: type[ConfigurationError] = DeltaJarsMissingError) -> None:
+    """Download the missing jars into `cache` (default `jar_cache_dir()`), each checked by its SHA-1."""
+    cache = cache or jar_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     for group, artifact, version in artifacts:
-        target = cache / _jar_name(artifact, version)
+        target = cache / jar_name(artifact, version)
         if target.is_file() and target.stat().st_size > 0:
             continue
         base = f"{MAVEN_CENTRAL}/{group.replace('.', '/')}/{artifact}/{version}/{target.name}"
@@ -120,13 +123,13 @@ def _fetch(artifacts: tuple[tuple[str, str, str], ...]) -> None:
             expected = _download(base + ".sha1").decode().split()[0].strip()
         except OSError as exc:
             partial.unlink(missing_ok=True)
-            raise DeltaJarsMissingError(
+            raise error(
                 f"could not download {base}: {exc}. Check that Maven Central is reachable, "
                 "then run `make setup` again."
             ) from exc
         if actual != expected:
             partial.unlink(missing_ok=True)
-            raise DeltaJarsMissingError(
+            raise error(
                 f"{target.name} from Maven Central has SHA-1 {actual}, expected {expected}; "
                 "nothing was cached. Run `make setup` again."
             )
@@ -151,7 +154,7 @@ def build_log_store() -> Path:
     if target.is_file() and target.stat().st_size > 0:
         return target
     hadoop_client = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
-    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / _jar_name("hadoop-aws", HADOOP_VERSION)]
+    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / jar_name("hadoop-aws", HADOOP_VERSION)]
     print(f"building {target.name}", flush=True)
     with tempfile.TemporaryDirectory() as build:
         done = subprocess.run([_javac(), "--release", "17", "-nowarn", "-cp", os.pathsep.join(map(str, classpath)),
@@ -169,21 +172,27 @@ def build_log_store() -> Path:
 
 def fetch_delta_jars() -> list[Path]:
     """Download the missing jars, verified by SHA-1, and build the log store; idempotent."""
-    _fetch(DELTA_ARTIFACTS + S3_ARTIFACTS)
+    fetch_jars(DELTA_ARTIFACTS + S3_ARTIFACTS)
     build_log_store()
     return require_delta_jars() + require_s3_jars()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv  # `fetch` downloads; `check` (or nothing) only checks
+def jar_cli(argv: list[str] | None, fetch, require, error: type[ConfigurationError]) -> int:
+    """A jar module's command line: `fetch` downloads what is missing; `check` (or nothing) only
+    checks; prints the jars' paths, or the error and exits 1."""
+    args = sys.argv[1:] if argv is None else argv
     try:
-        paths = fetch_delta_jars() if args[:1] == ["fetch"] else require_delta_jars() + require_s3_jars()
-    except DeltaJarsMissingError as exc:
+        paths = fetch() if args[:1] == ["fetch"] else require()
+    except error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     for path in paths:
         print(path)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return jar_cli(argv, fetch_delta_jars, lambda: require_delta_jars() + require_s3_jars(), DeltaJarsMissingError)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def dagster_resources(spark, warehouse_root: Path):
 
 
 # Fixtures that start a server; a test that uses one is marked `server`.
-SERVER_FIXTURES = {"spark_cluster", "s3_store"}
+SERVER_FIXTURES = {"spark_cluster", "s3_store", "kafka"}
 
 
 def _starts_subprocess(item: pytest.Item) -> bool:

@@ -124,8 +124,12 @@ def test_payloads_print_on_one_line():
     assert payload_text(b"\xff\x00") == r"b'\xff\x00'"
     # A key is escaped too: one entry, one line.
     forged = SimpleNamespace(ledger_id=1, entry_id=0, tier="hot", txn_most_bits=None, txn_least_bits=None,
-                             key="k\n2:0\thot", payload=b"p")
+                             key="k\n2:0\thot", payload=b"p", key_bytes=None, headers=None)
     assert entry_line(forged) == "1:0\thot\ttxn=-\tkey=b'k\\n2:0\\thot'\tp"
+    # A key of bytes that are not UTF-8, and headers (a null value as -).
+    kafka = SimpleNamespace(**{**vars(forged), "key": None, "key_bytes": b"\xff", "headers": [
+        {"key": "h", "value": b""}, {"key": "n", "value": None}]})
+    assert entry_line(kafka) == "1:0\thot\ttxn=-\tkey=b'\\xff'\theaders=h=,n=-\tp"
     assert payload_text(b"x" * 100) == "x" * PAYLOAD_CHARS + "..."
     cut = payload_text(bytes(range(200, 256)))  # escapes cut whole, not in half
     assert cut.startswith(r"b'\xc8\xc9") and cut.endswith("'...") and len(cut) <= PAYLOAD_CHARS + 3

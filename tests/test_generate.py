@@ -22,7 +22,7 @@ import pytest
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.generate import GenerateSummary, generate_ledger_file, topic_names
 from txn_engine.core.log_types import LogEntry, Violation
-from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
+from txn_engine.log.generate import GENERATED_COLUMNS as LEDGER_ENTRY_COLUMNS
 from txn_engine.reference.transaction_buffer import replay, stable_position_trace
 
 N = 2000

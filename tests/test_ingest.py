@@ -48,6 +48,28 @@ def test_jsonl_rows_land_typed(warehouse, tmp_path):
     assert warehouse.read(QUARANTINE_ENTRIES).count() == 0  # the table the summary names exists, empty
 
 
+def test_jsonl_keys_as_bytes_headers_and_timestamp_types(warehouse, tmp_path):
+    """The lossless columns from text: a key of bytes (base64) that is UTF-8 is stored as text,
+    one that is not as key_bytes; headers a JSON array, values base64 or null; bad ones quarantined."""
+    b64 = lambda raw: base64.b64encode(raw).decode()  # noqa: E731
+    rows = [
+        {**entry("k-0", 1, 0), "key_bytes": b64(b"\xff\x00"), "timestamp_type": "LOG_APPEND_TIME",
+         "headers": json.dumps([{"key": "a", "value": b64(b"\x00")}, {"key": "a", "value": None}, {"key": "e", "value": ""}])},
+        {**entry("k-0", 1, 1), "key_bytes": b64("t\u00e9xt".encode())},
+        {**entry("k-0", 1, 2), "key_bytes": "", "timestamp_type": "CREATE_TIME"},
+        {**entry("k-0", 1, 3), "key": "k", "key_bytes": b64(b"\xff")},
+        {**entry("k-0", 1, 4), "timestamp_type": "WALL_CLOCK"},
+        {**entry("k-0", 1, 5), "headers": json.dumps([{"value": b64(b"x")}])},
+    ]
+    summary = ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", rows))])
+    assert summary.quarantine_by_rule == {"key_twice": 1, "timestamp_type": 1, "type": 1}
+    got = {r.entry_id: r for r in warehouse.read(LEDGER_ENTRIES).collect()}
+    assert (got[0].key, got[0].key_bytes, got[0].timestamp_type) == (None, bytearray(b"\xff\x00"), "LOG_APPEND_TIME")
+    assert [(h.key, h.value) for h in got[0].headers] == [("a", bytearray(b"\x00")), ("a", None), ("e", bytearray())]
+    assert (got[1].key, got[1].key_bytes) == ("t\u00e9xt", None)
+    assert (got[2].key, got[2].key_bytes, got[2].headers) == ("", None, None)
+
+
 def write_parquet(path, rows, publish_time):
     """`rows` (tests.rows.entry dicts) as Parquet with typed columns; `publish_time` an Arrow array."""
     table = pa.table(
@@ -158,8 +180,8 @@ def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
     ]
     assert summary.quarantine_by_rule == Counter([r for _, r, _ in BAD_ROWS] + ["type", "publish_time_range", "type"])
     assert stored(warehouse) == [
-        ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x")),
-        ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None),
+        ("t", 1, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, bytearray(b"x"), None, None, None),
+        ("t", 2, 0, "DATA", None, None, None, None, None, dt.datetime(2026, 1, 1), None, None, None, None, None),
     ]
 
 
@@ -188,7 +210,7 @@ def test_csv_line_numbers_and_bad_field_count(warehouse, tmp_path):
     summary = ingest_files(warehouse, [str(path)])
     assert summary.rows_written == 2
     [row] = quarantine(warehouse)
-    assert (row.line, row.rule) == (4, "malformed_line") and "expected 12 fields" in row.reason
+    assert (row.line, row.rule) == (4, "malformed_line") and f"expected {len(LEDGER_ENTRY_COLUMNS)} fields" in row.reason
 
 
 def test_reingest_is_idempotent(warehouse, tmp_path):
@@ -272,7 +294,7 @@ def misspelled_parquet(folder):
         (lambda p: write_jsonl(p / "typo.jsonl", [entry("t", 9, 0), {**entry("t", 9, 1), "txnMostBits": 0}]),
          "typo.jsonl has unknown column(s) txnMostBits (first on line 2); ingest knows only the ledger_entries columns "
          "(topic, ledger_id, entry_id, entry_type, txn_most_bits, txn_least_bits, producer_id, producer_epoch, sequence_id, "
-         "publish_time, key, payload; topic, ledger_id, entry_id, entry_type required, the others optional) and would drop "
+         "publish_time, key, payload, key_bytes, headers, timestamp_type; topic, ledger_id, entry_id, entry_type required, the others optional) and would drop "
          "the values of any other. Rename or remove them (did you mean txnMostBits -> txn_most_bits"),
         (misspelled_parquet, "typo.parquet has unknown column(s) Key; ingest knows only"),
     ],

@@ -7,7 +7,7 @@ from pyspark.sql import Row
 
 from tests.rows import entry
 from txn_engine.log.ledgers import derive_ledger_catalog
-from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA
+from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS
 
 
 def entries_df(spark, rows):
@@ -15,7 +15,8 @@ def entries_df(spark, rows):
     import datetime as dt
 
     def typed(r):
-        return Row(**{**r, "publish_time": dt.datetime(2026, 1, 1, 0, 0, r["entry_id"]),
+        return Row(**{**{c: None for c in LEDGER_ENTRY_COLUMNS}, **r,
+                      "publish_time": dt.datetime(2026, 1, 1, 0, 0, r["entry_id"]),
                       "payload": None if r["payload"] is None else base64.b64decode(r["payload"])})
 
     return spark.createDataFrame([typed(r) for r in rows], LEDGER_ENTRIES_SCHEMA)

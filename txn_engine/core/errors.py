@@ -13,8 +13,16 @@ class DeltaJarsMissingError(ConfigurationError):
     """Delta Lake's JVM jars are not in the cache."""
 
 
+class KafkaJarsMissingError(ConfigurationError):
+    """The jars of the Kafka broker the tests start are not in the cache."""
+
+
 class InputFileError(TxnlakeError):
     """An input file is missing, unreadable or of an unknown format. Nothing was written."""
+
+
+class WarehouseMigrationError(TxnlakeError):
+    """A table was written before columns the contract has since added; `txnlake migrate` adds them."""
 
 
 class TableMissingError(TxnlakeError):

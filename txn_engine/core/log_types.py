@@ -76,6 +76,9 @@ class LogEntry:
     publish_time: datetime | None = None
     key: str | None = None
     payload: bytes | None = None
+    key_bytes: bytes | None = None
+    headers: tuple | list | None = None  # of {"key": str, "value": bytes | None}
+    timestamp_type: str | None = None
 
     def __post_init__(self) -> None:
         # The same rules ingest applies, so the oracle never accepts a row the warehouse would not.

@@ -37,6 +37,9 @@ ENTRY_TYPES = ("DATA", "COMMIT", "ABORT")
 MARKER_TYPES = ("COMMIT", "ABORT")
 LEDGER_STATES = ("OPEN", "CLOSED", "OFFLOADED", "DELETED")
 
+# A record header: a name (text) and a value (bytes, or null).
+HEADER_STRUCT = StructType([StructField("key", StringType(), True), StructField("value", BinaryType(), True)])
+
 LEDGER_ENTRIES_SCHEMA = StructType(
     [
         StructField("topic", StringType(), False),
@@ -51,9 +54,20 @@ LEDGER_ENTRIES_SCHEMA = StructType(
         StructField("publish_time", TimestampType(), True),
         StructField("key", StringType(), True),
         StructField("payload", BinaryType(), True),
+        # Added for logs whose keys are bytes (Kafka): a key that is not valid UTF-8, as bytes (a key
+        # that is lives in `key`; so the key's bytes are coalesce(key_bytes, encode(key, 'UTF-8'))),
+        # the record's headers in order (null: none), and what publish_time is (CREATE_TIME or
+        # LOG_APPEND_TIME; null: not said).
+        StructField("key_bytes", BinaryType(), True),
+        StructField("headers", ArrayType(HEADER_STRUCT, True), True),
+        StructField("timestamp_type", StringType(), True),
     ]
 )
 LEDGER_ENTRY_COLUMNS = tuple(f.name for f in LEDGER_ENTRIES_SCHEMA.fields)
+# The columns added after the first contract: a warehouse written before them is migrated by
+# `txnlake migrate` (`storage.migrate`), and refused until it is.
+LOSSLESS_COLUMNS = ("key_bytes", "headers", "timestamp_type")
+TIMESTAMP_TYPES = ("CREATE_TIME", "LOG_APPEND_TIME")
 POSITION_COLUMNS = ("topic", "ledger_id", "entry_id")
 
 QUARANTINE_ENTRIES_SCHEMA = StructType(
@@ -332,6 +346,10 @@ OFFLOAD_MANIFEST_SCHEMA = StructType(
         StructField("offloaded_at", TimestampType(), False),
     ]
 )
+
+# The tables whose rows are ledger_entries rows (plus columns of their own): those that gain the
+# columns ledger_entries gains (`LOSSLESS_COLUMNS`), by `txnlake migrate` in a warehouse made before.
+ENTRY_TABLES = (LEDGER_ENTRIES, COMMITTED_ENTRIES, BUFFER_PENDING_ENTRIES, OFFLOADED_ENTRIES)
 
 DELETED_LEDGERS_SCHEMA = StructType(
     [f for f in LEDGERS_SCHEMA.fields if f.name not in ("state", "updated_at")]

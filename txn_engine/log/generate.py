@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from txn_engine.core.errors import TxnlakeError
-from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
+from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS, LOSSLESS_COLUMNS
 
 FORMATS = {".parquet": "parquet", ".jsonl": "jsonl", ".csv": "csv"}
 
@@ -46,7 +46,9 @@ ARROW_SCHEMA = pa.schema(
         pa.field("payload", pa.binary()),
     ]
 )
-assert tuple(ARROW_SCHEMA.names) == tuple(LEDGER_ENTRY_COLUMNS), "generate.ARROW_SCHEMA drifted from schema.py"
+# The generated log is Pulsar-like: text keys, no headers, so none of the columns added for Kafka.
+GENERATED_COLUMNS = tuple(c for c in LEDGER_ENTRY_COLUMNS if c not in LOSSLESS_COLUMNS)
+assert tuple(ARROW_SCHEMA.names) == GENERATED_COLUMNS, "generate.ARROW_SCHEMA drifted from schema.py"
 
 ENTRY_TYPE_NAMES = ("DATA", "COMMIT", "ABORT")
 _DATA, _COMMIT, _ABORT = 0, 1, 2
@@ -532,7 +534,7 @@ def _text_fields(log: _Log, lo: int, hi: int, pools: _Pools, null: str, quote: s
     cols[9] = pc.binary_join_element_wise(pc.replace_substring(naive, " ", "T"), pa.scalar("Z"), pa.scalar(""))
     q, empty, none = pa.scalar(quote), pa.scalar(""), pa.scalar(null)
     out = []
-    for name, col in zip(LEDGER_ENTRY_COLUMNS, cols):
+    for name, col in zip(GENERATED_COLUMNS, cols):
         text = col if pa.types.is_string(col.type) else pc.cast(col, pa.string())
         if quote and name in _QUOTED:
             text = pc.binary_join_element_wise(q, text, q, empty)
@@ -557,7 +559,7 @@ def _write_jsonl(log: _Log, path: Path) -> None:
 
     def lines(lo: int, hi: int) -> pa.Array:
         parts: list = []
-        for i, (name, text) in enumerate(zip(LEDGER_ENTRY_COLUMNS, _text_fields(log, lo, hi, pools, "null", '"'))):
+        for i, (name, text) in enumerate(zip(GENERATED_COLUMNS, _text_fields(log, lo, hi, pools, "null", '"'))):
             parts += [pa.scalar(("{" if i == 0 else ",") + f'"{name}":'), text]
         return pc.binary_join_element_wise(*parts, pa.scalar("}\n"), pa.scalar(""))
 
@@ -572,4 +574,4 @@ def _write_csv(log: _Log, path: Path) -> None:
         joined = pc.binary_join_element_wise(*fields, pa.scalar(","))
         return pc.binary_join_element_wise(joined, pa.scalar("\n"), pa.scalar(""))
 
-    _write_lines(path, (",".join(LEDGER_ENTRY_COLUMNS) + "\n").encode(), log, lines)
+    _write_lines(path, (",".join(GENERATED_COLUMNS) + "\n").encode(), log, lines)

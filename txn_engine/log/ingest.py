@@ -62,6 +62,7 @@ from txn_engine.log.input_files import (
 from txn_engine.log.ledgers import immutable_ledgers, ledger_ranges
 from txn_engine.core.schema import (
     ENTRY_TYPES,
+    TIMESTAMP_TYPES,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
@@ -113,6 +114,8 @@ class IngestSummary:
     rows_quarantined: int = 0
     rows_in_deleted_ledgers: int = 0
     quarantine_by_rule: dict[str, int] = field(default_factory=dict)
+    # Per topic, rows by status (NEW, PRESENT, ...): what an import reports per partition.
+    rows_by_topic: dict[str, dict[str, int]] = field(default_factory=dict)
     # Ledgers this ingest appended to whose entry ids are not dense (a warning, not an error):
     # dicts of topic, ledger_id, first_entry_id, last_entry_id, entry_count, missing.
     entry_id_gaps: list[dict] = field(default_factory=list)
@@ -412,6 +415,26 @@ def validate(raw: DataFrame) -> DataFrame:
             "a COMMIT or ABORT marker must carry a transaction id (txn_most_bits, txn_least_bits)",
         ),
     ]
+    errors += [
+        rule(
+            "timestamp_type",
+            ~t["timestamp_type"].isin(*TIMESTAMP_TYPES),
+            F.concat(F.lit(f"timestamp_type must be one of {', '.join(TIMESTAMP_TYPES)} or null, got '"),
+                     t["timestamp_type"], F.lit("'")),
+        ),
+        rule(
+            "key_twice",
+            t["key"].isNotNull() & t["key_bytes"].isNotNull(),
+            "a key is either text (key) or bytes that are not UTF-8 (key_bytes), not both; drop one and ingest "
+            "the row again",
+        ),
+    ]
+    # One way to store a key: bytes that are UTF-8 are text (`key`), so a row reads the same
+    # whichever column its source used, and `key_bytes` holds only what text cannot.
+    given_bytes = t["key_bytes"]
+    is_text = F.is_valid_utf8(given_bytes.cast("string"))
+    t["key"] = F.coalesce(t["key"], F.when(is_text, given_bytes.cast("string")))
+    t["key_bytes"] = F.when(~is_text, given_bytes)
     for name in _ID_COLUMNS + ("producer_epoch",):
         errors.append(rule("negative_id", t[name] < 0, F.concat(F.lit(f"{name} must not be negative, got "), t[name].cast("string"))))
     # A line that did not parse gets that one reason, not the cascade of missing fields.
@@ -458,6 +481,13 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
         if isinstance(source_type, FractionalType) and isinstance(target, _INTEGRAL):
             bad = bad | (value != col)  # 1.5 is no id (try_cast would truncate it to 1)
         return value, F.when(bad, F.lit(f"type:{name} has type {source_type.simpleString()}, expected {target.simpleString()}"))
+    if isinstance(target, ArrayType):  # headers: JSON text of [{"key": text, "value": base64 or null}, ...]
+        items = F.from_json(col, "array<struct<key:string,value:string>>")
+        bad_item = F.exists(items, lambda h: h["key"].isNull() | (h["value"].isNotNull() & ~h["value"].rlike(_BASE64)))
+        value = F.when(~bad_item, F.transform(items, lambda h: F.struct(h["key"].alias("key"), F.unbase64(h["value"]).alias("value"))))
+        message = F.concat(F.lit(f"type:{name} is not a JSON array of {{\"key\": text, \"value\": base64 or null}}: '"),
+                           F.substring(col, 1, 60), F.lit("'; write the headers so and ingest the row again"))
+        return value, F.when(col.isNotNull() & value.isNull(), message)
     if isinstance(target, (LongType, IntegerType)):
         value = F.expr(f"try_cast(trim(`{name}`) as {target.simpleString()})")
         what = "an integer" if isinstance(target, LongType) else "a 32-bit integer"
@@ -470,8 +500,8 @@ def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
     message = F.concat(F.lit(f"type:{name} is not {what}: '"), F.substring(col, 1, 60), F.lit("'"))
     if isinstance(target, BinaryType):
         message = F.concat(message, F.lit(
-            "; a payload in JSONL or CSV (or a Parquet string column) must be base64: only A-Z a-z 0-9 + /, "
-            "padded with = to a multiple of 4 characters. Encode the payload bytes as base64 (or write a "
+            f"; a {name} in JSONL or CSV (or a Parquet string column) must be base64: only A-Z a-z 0-9 + /, "
+            f"padded with = to a multiple of 4 characters. Encode the {name} bytes as base64 (or write a "
             "Parquet binary column) and ingest the row again"
         ))
     return value, F.when(bad, message)
@@ -656,9 +686,16 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     # Validated file by file: a union of raw files would coerce one file's columns to another's
     # types (JSONL's base64 text becoming Parquet's binary, undecoded).
     validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s, warehouse.settings)) for s in sources])
+    return append_validated(warehouse, validated, [s.path for s in sources])
+
+
+def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str]) -> IngestSummary:
+    """Classify `validate`d rows against what is stored, quarantine the bad ones and append the
+    new ones (the rules of `classify`): idempotent, and a crash between the two writes is
+    repaired by running it again. Every importer of raw entries appends through here."""
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
-        files=[s.path for s in sources],
+        files=files,
         table_location=warehouse.path(LEDGER_ENTRIES),
         quarantine_location=warehouse.path(QUARANTINE_ENTRIES),
     )
@@ -672,7 +709,7 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
             is_new = F.col("status") == NEW
             has_unknown = F.size("_unknown_columns") > 0
             tally = classified.groupBy(
-                "status", "rule", F.when(is_new, F.col("topic")).alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
+                "status", "rule", F.col("topic").alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
             ).agg(
                 F.count("*").alias("n"),
                 F.collect_set(F.when(has_unknown, F.struct("source_file", "_unknown_columns"))).alias("unknown"),
@@ -692,6 +729,10 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
                 if r["status"] == QUARANTINED:
                     by_rule[r["rule"]] = by_rule.get(r["rule"], 0) + r["n"]
             appended_to = {(r["t"], r["l"]) for r in tally if r["status"] == NEW}
+            for r in tally:
+                if r["t"] is not None:
+                    by_status = summary.rows_by_topic.setdefault(r["t"], {})
+                    by_status[r["status"]] = by_status.get(r["status"], 0) + r["n"]
             summary.rows_read = sum(counts.values())
             summary.rows_written = counts.get(NEW, 0)
             summary.rows_already_present = counts.get(PRESENT, 0)

@@ -28,8 +28,9 @@ from txn_engine.storage.warehouse import Warehouse
 
 
 def entry_size_bytes() -> F.Column:
-    """Bytes an entry occupies, as txnlake counts them: payload plus key (markers have neither)."""
-    return F.coalesce(F.octet_length("payload"), F.lit(0)) + F.coalesce(F.octet_length("key"), F.lit(0))
+    """Bytes an entry occupies, as txnlake counts them: payload plus key, text or bytes (markers have neither)."""
+    return (F.coalesce(F.octet_length("payload"), F.lit(0)) + F.coalesce(F.octet_length("key"), F.lit(0))
+            + F.coalesce(F.octet_length("key_bytes"), F.lit(0)))
 
 
 def derive_ledger_catalog(

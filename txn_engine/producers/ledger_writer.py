@@ -375,6 +375,8 @@ class LedgerWriter:
                 shared([b.producer_epoch for b in batches], pa.int32()),
                 pa.array(sequences, pa.int64()),
                 pa.repeat(pa.scalar(now, _ENTRY_SCHEMA.field("publish_time").type), total), key_array, payload_array,
+                # The engine's keys are text and its entries have no headers: key_bytes, headers, timestamp_type.
+                *[pa.nulls(total, f.type) for f in _ENTRY_SCHEMA][_ENTRY_SCHEMA.get_field_index("key_bytes"):],
             ],
             schema=_ENTRY_SCHEMA,
         )

@@ -582,9 +582,8 @@ def _anchors(spark, entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> 
         positions = positions.unionByName(last)
     plain_columns = [
         F.lit("DATA").alias("entry_type"),
-        *[F.lit(None).cast(t).alias(c) for c, t in (
-            ("txn_most_bits", "long"), ("txn_least_bits", "long"), ("producer_id", "long"), ("producer_epoch", "int"),
-            ("sequence_id", "long"), ("publish_time", "timestamp"), ("key", "string"), ("payload", "binary"))],
+        *[F.lit(None).cast(f.dataType).alias(f.name) for f in LEDGER_ENTRIES_SCHEMA.fields
+          if f.name not in ("topic", "ledger_id", "entry_id", "entry_type")],
     ]
     return positions.select("topic", "ledger_id", "entry_id", *plain_columns).select(*LEDGER_ENTRY_COLUMNS)
 

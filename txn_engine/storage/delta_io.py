@@ -31,7 +31,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
 from txn_engine.storage.arrow_frames import arrow_schema
-from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
+from txn_engine.storage.warehouse import Warehouse, require_current_columns, retry_delta_conflicts
 
 # A write of at most this many bytes goes through the driver (collected as Arrow, committed by
 # delta-rs): a Spark Delta write or DELETE costs several Spark jobs however small the table.
@@ -194,6 +194,8 @@ class DeltaTables:
                     self._handles[table] = handle
             else:
                 handle.update_incremental()
+            if handle is not None:
+                require_current_columns(table, [f.name for f in handle.schema().fields], self.warehouse.path(table))
             return handle
 
     def _open(self, table: str) -> DeltaTable | None:

@@ -23,10 +23,10 @@ from deltalake.exceptions import CommitFailedError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.types import StructType
 
-from txn_engine.core.errors import TableMissingError, TxnlakeError
+from txn_engine.core.errors import TableMissingError, TxnlakeError, WarehouseMigrationError
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.locks import writer_lock
-from txn_engine.core.schema import COLD_TABLES
+from txn_engine.core.schema import COLD_TABLES, ENTRY_TABLES, LOSSLESS_COLUMNS
 from txn_engine.core.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,9 @@ class Warehouse:
         location = path or self.path(table)
         if not self.exists(table, location):
             raise self.missing(table, location)
-        return self.spark.read.format("delta").load(location)
+        frame = self.spark.read.format("delta").load(location)
+        require_current_columns(table, frame.columns, location)
+        return frame
 
     def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
         location = path or self.path(table)
@@ -157,6 +159,20 @@ class Warehouse:
         with self.writer(table):
             if self.exists(table, location):
                 retry_delta_conflicts(lambda: DeltaTable.forPath(self.spark, location).delete(predicate))
+
+
+def require_current_columns(table: str, columns: list[str], location: str) -> None:
+    """Refuse an entry table written before the columns the contract added since: reading or
+    appending it would fail deep inside a job, or drop the new columns' values."""
+    if table not in ENTRY_TABLES:
+        return
+    missing = [c for c in LOSSLESS_COLUMNS if c not in columns]
+    if missing:
+        raise WarehouseMigrationError(
+            f"{table} at {location} has no column(s) {', '.join(missing)}: it was written before they were added "
+            "(lossless keys, headers and timestamp types). Run `txnlake migrate` once: it adds them to every "
+            "table of entries, empty for the rows stored, and changes nothing else."
+        )
 
 
 def retry_delta_conflicts(action: Callable[[], T], attempts: int = 5) -> T:

@@ -1,0 +1,129 @@
+"""Benchmark: `txnlake import-kafka` of a Kafka log of BENCH_KAFKA_MB megabytes (default 1024).
+
+The log is written directly as segment files (record batch format v2, uncompressed, CRC-32C;
+`write_log`), a Kafka log as a broker stores it: PARTITIONS partitions of SEGMENT_MB segments,
+transactional producers committing batches of BATCH_RECORDS records of VALUE_BYTES-byte values
+(an abort now and then), keys and headers on every record. Measured on the same files:
+- binary read: Spark reads every segment as bytes (`binaryFile`) and sums their lengths, the
+  floor of any import;
+- import: `import_kafka` into an empty warehouse (parse on Spark, validate, append to
+  `ledger_entries`).
+Target: the import at most 2x the binary read. Prints seconds, records/s and MB/s of both.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import crc32c
+
+from benchmarks.measure import jvm_peak_rss_mib, timed
+
+PARTITIONS = 4
+SEGMENT_MB = 128
+BATCH_RECORDS = 50
+VALUE_BYTES = 1000
+ABORT_EVERY = 10  # one transaction in ten aborts
+
+
+def _varint(value: int) -> bytes:
+    zigzag = (value << 1) ^ (value >> 63)
+    out = bytearray()
+    while zigzag >= 0x80:
+        out.append((zigzag & 0x7F) | 0x80)
+        zigzag >>= 7
+    out.append(zigzag)
+    return bytes(out)
+
+
+def _record(offset_delta: int, key: bytes | None, value: bytes | None, headers: list[tuple[str, bytes]]) -> bytes:
+    body = bytearray(b"\x00")  # attributes
+    body += _varint(0) + _varint(offset_delta)
+    body += _varint(-1) if key is None else _varint(len(key)) + key
+    body += _varint(-1) if value is None else _varint(len(value)) + value
+    body += _varint(len(headers))
+    for name, raw in headers:
+        body += _varint(len(name)) + name.encode() + _varint(len(raw)) + raw
+    return _varint(len(body)) + bytes(body)
+
+
+def _batch(base_offset: int, records: list[bytes], producer: int, sequence: int, control: bool, ts: int) -> bytes:
+    attributes = 0x10 | (0x20 if control else 0)  # transactional (and control), uncompressed, CreateTime
+    after_crc = struct.pack(">hiqqqhii", attributes, len(records) - 1, ts, ts, producer, 0,
+                            -1 if control else sequence, len(records)) + b"".join(records)
+    length = 4 + 1 + 4 + len(after_crc)  # partitionLeaderEpoch, magic, crc, rest
+    return struct.pack(">qiibI", base_offset, length, 0, 2, crc32c.crc32c(after_crc)) + after_crc
+
+
+def write_log(folder: Path, total_mb: int) -> tuple[int, int]:
+    """Segments of PARTITIONS partitions holding about `total_mb` MB; (records, bytes) written."""
+    per_partition = total_mb * 1024 * 1024 // PARTITIONS
+    value = bytes(range(256)) * (VALUE_BYTES // 256) + bytes(VALUE_BYTES % 256)
+    records = written = 0
+    for partition in range(PARTITIONS):
+        directory = folder / f"bench-{partition}"
+        directory.mkdir(parents=True)
+        offset, size, txn, segment, out = 0, 0, 0, None, None
+        sequence = {}
+        while size < per_partition:
+            if out is None or out.tell() >= SEGMENT_MB * 1024 * 1024:
+                if out:
+                    out.close()
+                segment = directory / f"{offset:020d}.log"
+                out = open(segment, "wb")
+            producer = txn % 8
+            seq = sequence.get(producer, 0)
+            data = [_record(i, f"key-{txn}-{i}".encode(), value, [("trace", f"{txn}".encode())]) for i in range(BATCH_RECORDS)]
+            batch = _batch(offset, data, producer, seq, False, 1_700_000_000_000 + offset)
+            sequence[producer] = seq + BATCH_RECORDS
+            kind = 0 if txn % ABORT_EVERY == ABORT_EVERY - 1 else 1
+            marker = _batch(offset + BATCH_RECORDS, [_record(0, struct.pack(">hh", 0, kind), struct.pack(">hi", 0, 0), [])],
+                            producer, -1, True, 1_700_000_000_000 + offset)
+            out.write(batch + marker)
+            offset += BATCH_RECORDS + 1
+            size += len(batch) + len(marker)
+            records += BATCH_RECORDS + 1
+            txn += 1
+        out.close()
+        written += size
+    return records, written
+
+
+def run(total_mb: int, workdir: Path) -> dict:
+    from resources.spark import get_spark
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.log.kafka_import import import_kafka, resolve_segments
+    from txn_engine.storage.warehouse import Warehouse
+
+    print(f"== kafka import benchmark: {total_mb} MB, workdir {workdir}")
+    log = workdir / "kafka-logs"
+    with timed(f"write the log ({PARTITIONS} partitions, {SEGMENT_MB} MB segments)"):
+        records, size = write_log(log, total_mb)
+    mb = size / 1e6
+    spark = get_spark()
+    paths = [s.path for s in resolve_segments(spark, [str(log)])]
+    with timed("binary read: Spark reads every segment as bytes") as t_read:
+        read = spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()[0]
+    assert read == size, (read, size)
+    wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh")))
+    with timed("import: parse, validate, append to ledger_entries") as t_import:
+        summary = import_kafka(wh, [str(log)]).ingest
+    assert summary.rows_written == records, (summary.rows_written, records)
+    ratio = t_import.seconds / t_read.seconds
+    figures = {
+        "records": records, "megabytes": round(mb, 1),
+        "binary_read_s": round(t_read.seconds, 2), "import_s": round(t_import.seconds, 2),
+        "import_records_per_s": round(records / t_import.seconds), "import_mb_per_s": round(mb / t_import.seconds, 1),
+        "read_mb_per_s": round(mb / t_read.seconds, 1), "ratio": round(ratio, 2),
+        "jvm_peak_mib": round(jvm_peak_rss_mib(spark)),
+    }
+    print(f"  {records:,} records, {mb:,.0f} MB: import {figures['import_records_per_s']:,} records/s, "
+          f"{figures['import_mb_per_s']} MB/s; binary read {figures['read_mb_per_s']} MB/s; "
+          f"import / read = {ratio:.1f}x (target at most 2x)")
+    return figures
+
+
+def run_benchmark(workdir: Path) -> dict:
+    return run(int(os.environ.get("BENCH_KAFKA_MB", "1024")), workdir)
