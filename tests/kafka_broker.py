@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 import fcntl
 import logging
-import os
 import pickle
 import signal
 import socket
@@ -341,10 +340,10 @@ def kafka_log(shared: Path) -> KafkaLog:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.is_file():
             with running_broker(shared / "broker") as broker:
-                alive = write_workload(broker.bootstrap)
+                alive = write_workload(broker.bootstrap)  # the open transaction's client included
                 wait_until_cleaned(broker.log_dir, COMPACTED)
                 truth = read_truth(broker.bootstrap, {TOPIC: 2, PLAIN: 1, COMPACTED: 1})
                 broker.stop()  # before the clients go: the open transaction stays open
-            del alive
+                alive.clear()
             done.write_bytes(pickle.dumps(truth))
     return KafkaLog(shared / "broker" / "kafka-logs", pickle.loads(done.read_bytes()))

@@ -5,7 +5,6 @@ index; the segment parser's codecs, checksums and refusals."""
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 from collections import Counter
 from pathlib import Path
