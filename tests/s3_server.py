@@ -7,7 +7,11 @@ them atomic. The server therefore runs moto's application behind one lock for ev
 changes something, and concurrent reads: what commits race against is S3's guarantee, not moto's
 thread scheduling.
 
-`python -m tests.s3_server PORT` serves until killed; `s3_server()` starts and stops one.
+`slow_jvm_commits` delays the JVM's (Spark's) PUTs of Delta log entries before they reach moto: a
+slow link, which widens the window between a writer's check that version N is free and its PUT,
+so a log store that checks and then writes loses commits where a conditional PUT does not.
+
+`python -m tests.s3_server PORT [DELAY]` serves until killed; `s3_server()` starts and stops one.
 """
 
 from __future__ import annotations
@@ -62,13 +66,14 @@ class S3Server:
 
 
 @contextmanager
-def s3_server(folder: Path, bucket: str = "txnlake-test", timeout: float = 60.0) -> Iterator[S3Server]:
+def s3_server(folder: Path, bucket: str = "txnlake-test", timeout: float = 60.0,
+              slow_jvm_commits: float = 0.0) -> Iterator[S3Server]:
     """A server on a free loopback port with `bucket` made, its log in `folder`; stopped on exit."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     log = folder / "s3-server.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "tests.s3_server", str(port)], cwd=REPO, stdout=out,
+        process = subprocess.Popen([sys.executable, "-m", "tests.s3_server", str(port), str(slow_jvm_commits)], cwd=REPO, stdout=out,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     server = S3Server(f"http://127.0.0.1:{port}", bucket)
     try:
@@ -97,22 +102,26 @@ def s3_server(folder: Path, bucket: str = "txnlake-test", timeout: float = 60.0)
 class _WritesInTurn:
     """moto's WSGI application with every request but GET and HEAD run one at a time (module docstring)."""
 
-    def __init__(self, app):
+    def __init__(self, app, slow_jvm_commits: float):
         self.app = app
         self.lock = threading.Lock()
+        self.slow_jvm_commits = slow_jvm_commits
 
     def __call__(self, environ, start_response):
         if environ["REQUEST_METHOD"] in ("GET", "HEAD"):
             return self.app(environ, start_response)
+        if (self.slow_jvm_commits and environ["REQUEST_METHOD"] == "PUT" and "aws-sdk-java" in environ.get("HTTP_USER_AGENT", "")
+                and "/_delta_log/" in environ["PATH_INFO"] and environ["PATH_INFO"].endswith(".json")):
+            time.sleep(self.slow_jvm_commits)
         with self.lock:
             return list(self.app(environ, start_response))
 
 
-def main(port: int) -> None:
+def main(port: int, slow_jvm_commits: float = 0.0) -> None:
     from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
     from werkzeug.serving import make_server
 
-    app = _WritesInTurn(DomainDispatcherApplication(create_backend_app))
+    app = _WritesInTurn(DomainDispatcherApplication(create_backend_app), slow_jvm_commits)
     server = make_server("127.0.0.1", port, app, threaded=True, request_handler=MotoRequestHandler)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"serving S3 on 127.0.0.1:{port}", flush=True)
@@ -120,4 +129,4 @@ def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]))
+    main(int(sys.argv[1]), float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
