@@ -22,7 +22,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from botocore.exceptions import ClientError
 
@@ -35,6 +35,24 @@ log = logging.getLogger(__name__)
 # The operator's console (`txnlake` commands print this logger): a writer waiting says so.
 progress = logging.getLogger("txnlake.locks")
 WAIT_REPORT_S = 10.0  # a wait is announced at once, then again this often
+
+
+class _Wait:
+    """A writer's wait for a lock or lease: announced at once, then every WAIT_REPORT_S."""
+
+    def __init__(self, timeout_s: float):
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self._reported: float | None = None
+
+    def report(self, what: Callable[[], str]) -> None:
+        now = time.monotonic()
+        if self._reported is None or now - self._reported >= WAIT_REPORT_S:
+            self._reported = now
+            progress.info(f"waiting for {what()}, {now - self.started:.0f}s so far")
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
 
 
 class TableLockTimeout(TxnlakeError):
@@ -62,21 +80,15 @@ def table_lock(path: Path, timeout_s: float = 600.0, guarded: str = "this table"
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        started = time.monotonic()
-        deadline = started + timeout_s
-        reported = None
+        wait = _Wait(timeout_s)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                now = time.monotonic()
-                if reported is None or now - reported >= WAIT_REPORT_S:
-                    reported = now
-                    what = f"table {path.stem}" if guarded == "this table" else guarded
-                    progress.info(f"waiting for the lock of {what} ({path}, {_holder(path)}), "
-                                  f"{now - started:.0f}s so far")
-                if time.monotonic() > deadline:
+                what = f"table {path.stem}" if guarded == "this table" else guarded
+                wait.report(lambda: f"the lock of {what} ({path}, {_holder(path)})")
+                if wait.expired():
                     raise _timeout_error(timeout_s, str(path), guarded) from None
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
@@ -152,15 +164,11 @@ class Lease:
         return None
 
     def acquire(self, timeout_s: float, guarded: str) -> None:
-        started = time.monotonic()
-        deadline, reported = started + timeout_s, None
+        wait = _Wait(timeout_s)
         pause = 0.05
         while (holder := self.try_acquire()) is not None:
-            now = time.monotonic()
-            if reported is None or now - reported >= WAIT_REPORT_S:
-                reported = now
-                progress.info(f"waiting for the lease {self.uri} ({guarded}, held by {holder}), {now - started:.0f}s so far")
-            if now > deadline:
+            wait.report(lambda: f"the lease {self.uri} ({guarded}, held by {holder})")
+            if wait.expired():
                 raise _timeout_error(timeout_s, self.uri, guarded, holder)
             time.sleep(pause)
             pause = min(pause * 2, 0.5, self.ttl_s / 4)
