@@ -22,7 +22,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from resources.kafka_jars import require_kafka_jars
 
@@ -194,7 +194,7 @@ def write_workload(bootstrap: str) -> list:
     for j in range(4):
         slow.produce(TOPIC, partition=j % 2, value=f"timed-out{j}".encode())
     slow.flush(30)
-    wait_until_stable(admin, TOPIC, 2)  # the coordinator's abort markers are written
+    wait_until_stable(admin, TOPIC, range(2))  # the coordinator's abort markers are written
     try:
         slow.commit_transaction(10)
         raise AssertionError("a timed-out transaction committed")
@@ -260,12 +260,13 @@ class Truth:
     records: dict[str, list[tuple]] = field(default_factory=dict)
 
 
-def wait_until_stable(admin, topic: str, partitions: int) -> None:
-    """Until no transaction is open on the topic's partitions (last stable offset = high watermark)."""
+def wait_until_stable(admin, topic: str, partitions: Iterable[int]) -> None:
+    """Until no transaction is open on the topic's partitions (last stable offset = high watermark).
+    A commit returns before the coordinator writes its markers, so the truth waits for them too."""
     from confluent_kafka import IsolationLevel, TopicPartition
     from confluent_kafka.admin import OffsetSpec
 
-    latest = {TopicPartition(topic, p): OffsetSpec.latest() for p in range(partitions)}
+    latest = {TopicPartition(topic, p): OffsetSpec.latest() for p in partitions}
     deadline = time.monotonic() + STABLE_TIMEOUT_S
     while time.monotonic() < deadline:
         offsets = [{tp: f.result(30).offset for tp, f in admin.list_offsets(latest, isolation_level=level).items()}
@@ -288,11 +289,13 @@ def wait_until_cleaned(log_dir: Path, topic: str) -> None:
     raise RuntimeError(f"the log cleaner did not clean {topic}-0 within {CLEAN_TIMEOUT_S}s")
 
 
-def read_truth(bootstrap: str, topics: dict[str, int]) -> Truth:
+def read_truth(bootstrap: str, topics: dict[str, int], settled: dict[str, list[int]]) -> Truth:
     from confluent_kafka import Consumer, IsolationLevel, KafkaError, KafkaException, TopicPartition
     from confluent_kafka.admin import AdminClient, OffsetSpec
 
     admin = AdminClient({"bootstrap.servers": bootstrap, "logger": CLIENT_LOG})
+    for topic, numbers in settled.items():
+        wait_until_stable(admin, topic, numbers)
     partitions = [TopicPartition(t, p) for t, n in topics.items() for p in range(n)]
     truth = Truth()
     latest = {tp: OffsetSpec.latest() for tp in partitions}
@@ -342,7 +345,9 @@ def kafka_log(shared: Path) -> KafkaLog:
             with running_broker(shared / "broker") as broker:
                 alive = write_workload(broker.bootstrap)  # the open transaction's client included
                 wait_until_cleaned(broker.log_dir, COMPACTED)
-                truth = read_truth(broker.bootstrap, {TOPIC: 2, PLAIN: 1, COMPACTED: 1})
+                # orders-1 holds the open transaction; every other partition settles first.
+                truth = read_truth(broker.bootstrap, {TOPIC: 2, PLAIN: 1, COMPACTED: 1},
+                                   settled={TOPIC: [0], PLAIN: [0], COMPACTED: [0]})
                 broker.stop()  # before the clients go: the open transaction stays open
                 alive.clear()
             done.write_bytes(pickle.dumps(truth))
