@@ -132,9 +132,11 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def _check_input_files(args: argparse.Namespace) -> None:
+    from txn_engine.core.settings import conf_from_environment
     from txn_engine.log.input_files import check_input_files
 
-    check_input_files(args.paths)  # in Python, before Spark, the warehouse and the run
+    # In Python, before Spark, the warehouse and the run.
+    check_input_files(args.paths, conf_from_environment().get("spark.master"))
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -145,6 +147,15 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"  {table}: added {', '.join(columns)}")
     print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
     return 0
+
+
+def _check_paths_reach_executors(args: argparse.Namespace) -> None:
+    from txn_engine.core.settings import conf_from_environment
+    from txn_engine.log.input_files import check_readable_by_executors
+
+    for raw in args.paths:
+        if "://" not in raw:
+            check_readable_by_executors(raw, conf_from_environment().get("spark.master"))
 
 
 def cmd_import_kafka(args: argparse.Namespace) -> int:
@@ -591,7 +602,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="+", metavar="PATH", help="a Kafka log directory, <topic>-<partition> folders or .log files")
     p.add_argument("--verify", action="store_true", help="compare aborted_txns with the .txnindex instead of importing")
     _add_quiet(p)
-    p.set_defaults(func=cmd_import_kafka)
+    p.set_defaults(func=cmd_import_kafka, precheck=_check_paths_reach_executors)
 
     p = sub.add_parser("run", help="materialize every derived asset over what the warehouse holds",
                        description="Refreshes the ledgers catalog, then materializes the transaction buffer's tables and "

@@ -5,7 +5,7 @@ builder's settings are silently ignored by Spark), so every caller in a process 
 session made by the first `get_spark()`; later differing static settings are reported, not lost
 silently. Override anything from Dagster config (`SparkResource(master=..., conf={...})`) or the
 environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`, see
-`conf_from_environment`).
+`txn_engine.core.settings.conf_from_environment`).
 
 On a cluster (any master but `local[...]`) executors need Delta's jars and this project's code:
 the jars go by `spark.jars` (every master), the code as a zip of its packages by
@@ -20,14 +20,12 @@ import hashlib
 import importlib.util
 import logging
 import os
-import re
 import sys
 import threading
 import time
 import zipfile
 from pathlib import Path
 from typing import Mapping
-from urllib.parse import urlsplit
 
 from dagster import ConfigurableResource
 from pydantic import Field
@@ -36,7 +34,7 @@ from pyspark.sql import SparkSession
 
 from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
 from txn_engine.core.errors import ConfigurationError
-from txn_engine.core.settings import WarehouseSettings
+from txn_engine.core.settings import WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master, is_loopback_master
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,6 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
 
 # The packages executors import (pyproject's [tool.setuptools] packages), shipped as one zip.
 CODE_PACKAGES = ("txn_engine", "assets", "resources", "pipelines")
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 CODE_ZIP_MAX_AGE_S = 30 * 24 * 3600  # past any session's life: its executors fetch the zip from the driver
 
 SPARK_CONF_DIR = Path(__file__).parent  # holds log4j2.properties, and no spark-defaults.conf
@@ -82,41 +79,6 @@ _startup_seconds: float | None = None
 
 
 # A Spark (or spark.hadoop.*) property name: dotted words, e.g. spark.hadoop.fs.s3a.bucket.my-bucket.endpoint.
-_PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w-]+)+)\s*=(.*)")
-
-
-def conf_from_environment() -> dict[str, str]:
-    """TXNLAKE_SPARK_MASTER and TXNLAKE_SPARK_CONF as Spark settings.
-
-    TXNLAKE_SPARK_CONF is `key=value` items separated by commas or newlines. A comma (or newline)
-    starts a new item only where a property name and `=` follow (`spark.x.y=`); otherwise it
-    belongs to the value, so lists need no quoting:
-    `spark.jars.packages=io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.hadoop:hadoop-aws:3.4.1`.
-    Empty items are skipped; a newline inside a value becomes a comma.
-    """
-    conf: dict[str, str] = {}
-    master = os.environ.get("TXNLAKE_SPARK_MASTER")
-    if master:
-        conf["spark.master"] = master
-    raw = os.environ.get("TXNLAKE_SPARK_CONF", "")
-    key = None
-    for part in raw.replace("\n", ",").split(","):
-        if not part.strip():
-            continue
-        item = _PROPERTY.fullmatch(part)
-        if item:
-            key = item.group(1)
-            conf[key] = item.group(2).strip()
-        elif key is None or part.strip().startswith("="):
-            raise ConfigurationError(
-                f"TXNLAKE_SPARK_CONF item {part.strip()!r} is not key=value with a property name as key; "
-                "write it as TXNLAKE_SPARK_CONF='spark.driver.memory=4g,spark.sql.shuffle.partitions=4'"
-            )
-        else:  # a comma inside the previous value
-            conf[key] = f"{conf[key]},{part.rstrip()}"
-    return conf
-
-
 def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """Defaults, then the environment, then explicit settings (Dagster config, tests)."""
     merged = {**DEFAULT_SPARK_CONF, **conf_from_environment(), **(conf or {})}
@@ -145,7 +107,7 @@ def _add_s3_jars(merged: dict[str, str]) -> None:
     which would copy it into every executor of every application; executors elsewhere fetch it so.
     The log store extends Delta's, so it is loaded beside Delta, by `spark.jars`."""
     *connector, log_store = (str(p) for p in require_s3_jars())
-    here = is_local_master(merged["spark.master"]) or is_loopback_master(merged["spark.master"])
+    here = executors_on_this_host(merged["spark.master"])
     by_jars = [log_store] + ([] if here else connector)
     merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), *by_jars]))
     for role in ("driver", "executor") if here else ("driver",):
@@ -153,19 +115,6 @@ def _add_s3_jars(merged: dict[str, str]) -> None:
         merged[key] = os.pathsep.join(filter(None, [merged.get(key, ""), *connector]))
     for scheme in ("s3", "s3a"):
         merged.setdefault(f"spark.delta.logStore.{scheme}.impl", LOG_STORE_CLASS)
-
-
-def is_local_master(master: str) -> bool:
-    return master.startswith("local")
-
-
-def is_loopback_master(master: str) -> bool:
-    """A standalone master on this host's loopback (`spark://127.0.0.1:7077`, `spark://localhost:7077`):
-    the driver must be reachable there too, so it binds to loopback as in local mode."""
-    if not master.startswith("spark://"):
-        return False
-    hosts = [urlsplit(f"spark://{part}").hostname for part in master[len("spark://"):].split(",")]
-    return all(h in LOOPBACK_HOSTS for h in hosts)
 
 
 def _add_cluster_conf(merged: dict[str, str]) -> None:
@@ -251,14 +200,14 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
         if _session is not None and _session.sparkContext._jsc is not None:
             _apply_runtime_conf(_session, wanted)
             return _session
-        if is_local_master(wanted["spark.master"]) or is_loopback_master(wanted["spark.master"]):
+        if executors_on_this_host(wanted["spark.master"]):
             # Local mode (or a master on loopback) talks to this host only: bind to loopback, not to
-            # whatever eth0 is.
+            # whatever eth0 is. Elsewhere Spark advertises the host's address (docs/deployment.md).
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-            # Our log4j2 configuration (log4j2.properties here): without one Spark logs at INFO and announces
-            # its default profile on every start, burying the CLI's story. A set conf dir wins; a real
-            # cluster's driver keeps Spark's own conf dir (its spark-defaults.conf).
-            os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
+        # Our log4j2 configuration (log4j2.properties here), for the driver whatever the master:
+        # without one Spark logs at INFO and announces its default profile on every start, burying
+        # the CLI's story. A set conf dir (a cluster's spark-defaults.conf) wins.
+        os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
         if is_local_master(wanted["spark.master"]):
             # Python workers (the buffer kernel's and the snapshot index's Arrow UDFs) need this
             # interpreter's packages; PySpark would start the first `python3` on PATH. A set PYSPARK_PYTHON wins.

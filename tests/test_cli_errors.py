@@ -124,3 +124,24 @@ def test_a_commit_that_disagrees_with_its_checksum_is_damaged(tmp_path):
     crc = b"crc\x00" + struct.pack(">I", 512) + struct.pack(">I", zlib.crc32((text + text).encode()))
     (tmp_path / ".00000000000000000003.json.crc").write_bytes(crc)
     assert "does not match its checksum" in head_commit_problem(commit)
+
+
+def test_a_local_input_with_executors_on_other_hosts_is_refused(no_spark, warehouse_root, tmp_path, capsys, monkeypatch):
+    """Executors of a remote master cannot read a path of this host: refused at once, with the two
+    ways out; a `file:` URI (a mount every worker shares) and a local master pass the check."""
+    good = write_jsonl(tmp_path / "good.jsonl", [entry("t", 1, 1)])
+    monkeypatch.setenv("TXNLAKE_SPARK_MASTER", "spark://10.1.2.3:7077")
+    code, seconds = timed(["ingest", str(good)])
+    line = one_error_line(capsys)
+    assert code == 2 and seconds < 1.0, (line, seconds)
+    assert f"input {good} is a path on this host, but the executors of spark://10.1.2.3:7077 run on other hosts" in line
+    assert "s3://" in line and f"file://{good}" in line
+
+    from txn_engine.log.input_files import check_input_files
+
+    check_input_files([f"file://{good}"], "spark://10.1.2.3:7077")
+    for master in ("local[2]", "spark://127.0.0.1:7077", None):
+        check_input_files([str(good)], master)
+    monkeypatch.setenv("TXNLAKE_SPARK_MASTER", "spark://10.1.2.3:7077")
+    code, _ = timed(["import-kafka", str(tmp_path)])
+    assert code == 2 and "is a path on this host, but the executors of spark://10.1.2.3:7077" in one_error_line(capsys)

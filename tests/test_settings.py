@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from resources.delta_jars import require_delta_jars
-from resources.spark import DEFAULT_SPARK_CONF, conf_from_environment, effective_conf
+from resources.spark import DEFAULT_SPARK_CONF, effective_conf
+from txn_engine.core.settings import conf_from_environment
 from resources.warehouse import WarehouseResource
 from txn_engine.core.errors import ConfigurationError, DeltaJarsMissingError
 from txn_engine.core.settings import WarehouseSettings
@@ -205,7 +206,7 @@ def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):
     ("spark://10.1.2.3:7077", False), ("yarn", False), ("local[2]", False),
 ])
 def test_loopback_masters(master, loopback):
-    from resources.spark import is_loopback_master
+    from txn_engine.core.settings import is_loopback_master
 
     assert is_loopback_master(master) is loopback
 

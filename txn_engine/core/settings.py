@@ -7,8 +7,9 @@ Every table location is derived here, once, and so are the object store's settin
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,10 +33,66 @@ DRIVER_SCOPE_MAX_BYTES = 256 * 1024 * 1024
 DRIVER_FULL_RUN_MAX_BYTES = 2 * 1024 * 1024 * 1024
 
 
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
+
+
 def is_local_uri(uri: str) -> bool:
     """True for a plain path or a `file:` URI: the ones a file lock on this machine can guard."""
     scheme = urlparse(uri).scheme
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+_PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w-]+)+)\s*=(.*)")
+
+
+def conf_from_environment() -> dict[str, str]:
+    """TXNLAKE_SPARK_MASTER and TXNLAKE_SPARK_CONF as Spark settings.
+
+    TXNLAKE_SPARK_CONF is `key=value` items separated by commas or newlines. A comma (or newline)
+    starts a new item only where a property name and `=` follow (`spark.x.y=`); otherwise it
+    belongs to the value, so lists need no quoting:
+    `spark.jars.packages=io.delta:delta-spark_4.2_2.13:4.4.0,org.apache.hadoop:hadoop-aws:3.4.1`.
+    Empty items are skipped; a newline inside a value becomes a comma.
+    """
+    conf: dict[str, str] = {}
+    master = os.environ.get("TXNLAKE_SPARK_MASTER")
+    if master:
+        conf["spark.master"] = master
+    raw = os.environ.get("TXNLAKE_SPARK_CONF", "")
+    key = None
+    for part in raw.replace("\n", ",").split(","):
+        if not part.strip():
+            continue
+        item = _PROPERTY.fullmatch(part)
+        if item:
+            key = item.group(1)
+            conf[key] = item.group(2).strip()
+        elif key is None or part.strip().startswith("="):
+            raise ConfigurationError(
+                f"TXNLAKE_SPARK_CONF item {part.strip()!r} is not key=value with a property name as key; "
+                "write it as TXNLAKE_SPARK_CONF='spark.driver.memory=4g,spark.sql.shuffle.partitions=4'"
+            )
+        else:  # a comma inside the previous value
+            conf[key] = f"{conf[key]},{part.rstrip()}"
+    return conf
+
+
+def is_local_master(master: str) -> bool:
+    return master.startswith("local")
+
+
+def is_loopback_master(master: str) -> bool:
+    """A standalone master on this host's loopback (`spark://127.0.0.1:7077`, `spark://localhost:7077`):
+    the driver must be reachable there too, so it binds to loopback as in local mode."""
+    if not master.startswith("spark://"):
+        return False
+    hosts = [urlsplit(f"spark://{part}").hostname for part in master[len("spark://"):].split(",")]
+    return all(h in LOOPBACK_HOSTS for h in hosts)
+
+
+def executors_on_this_host(master: str) -> bool:
+    """Whether every executor of `master` runs on this host, so a path here is a path there."""
+    return is_local_master(master) or is_loopback_master(master)
 
 
 def is_s3_uri(uri: str) -> bool:

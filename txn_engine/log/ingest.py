@@ -163,7 +163,7 @@ class SourceFile:
 
 def resolve_sources(spark: SparkSession, paths: Sequence[str]) -> list[SourceFile]:
     """Check every path before anything is read: exists, known format, readable."""
-    check_input_files(paths)
+    check_input_files(paths, spark.sparkContext.master)
     sources: list[SourceFile] = []
     jvm = spark.sparkContext._jvm
     hadoop_conf = spark.sparkContext._jsc.hadoopConfiguration()

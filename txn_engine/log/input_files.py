@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from txn_engine.core.errors import InputFileError
+from txn_engine.core.settings import executors_on_this_host
 from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
 
 FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
@@ -48,17 +49,19 @@ SNIFF_BYTES = 64 * 1024  # of a text file read up front to tell it is text, and 
 SNIFF_LINES = 50  # JSONL lines looked at up front: a file none of which is a JSON object is refused
 
 
-def check_input_files(paths: Sequence[str]) -> None:
+def check_input_files(paths: Sequence[str], master: str | None = None) -> None:
     """The file-level checks ingest can make in milliseconds, in Python, before Spark starts: for
     each local path (a folder: its files), that it exists, has a known format and is readable, that
     it is not empty, that a Parquet file has a readable footer with the required columns and no
     unknown one, and that a text file is text (a JSONL one with a JSON object among its first lines).
-    Paths on other file systems (s3a://, hdfs://) are left to `resolve_sources`."""
+    Paths on other file systems (s3a://, hdfs://) are left to `resolve_sources`. With the Spark
+    `master` given, a plain local path is refused when executors run on other hosts."""
     if not paths:
         raise InputFileError("no input files given; name one or more .jsonl, .csv or .parquet files")
     for raw in paths:
         if "://" in raw and not raw.startswith("file:"):
             continue
+        check_readable_by_executors(raw, master)
         path = Path(raw[5:] if raw.startswith("file:") else raw)
         if not path.exists():
             raise missing_input(raw)
@@ -68,6 +71,18 @@ def check_input_files(paths: Sequence[str]) -> None:
                 _check_file(child, _format_of(child.name))
             continue
         _check_file(path, format_or_error(raw))
+
+
+def check_readable_by_executors(raw: str, master: str | None) -> None:
+    """Executors on other hosts cannot read a path of this one; a `file:` URI says every host
+    mounts it at the same place, so it passes."""
+    if master is None or executors_on_this_host(master) or raw.startswith("file:"):
+        return
+    absolute = Path(raw).resolve()
+    raise InputFileError(
+        f"input {raw} is a path on this host, but the executors of {master} run on other hosts and cannot "
+        f"read it: put it on the warehouse's store (e.g. s3://bucket/incoming/) or, if every worker mounts it "
+        f"at the same place, name it file://{absolute}")
 
 
 def missing_input(raw: str) -> InputFileError:

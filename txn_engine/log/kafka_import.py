@@ -22,6 +22,7 @@ from txn_engine.core.errors import InputFileError
 from txn_engine.core.schema import ABORTED_TXNS, LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS
 from txn_engine.log import kafka_log
 from txn_engine.log.ingest import IngestSummary, append_validated, validate
+from txn_engine.log.input_files import check_readable_by_executors
 from txn_engine.log.ledgers import ledger_ranges
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.warehouse import Warehouse
@@ -54,6 +55,8 @@ def resolve_segments(spark: SparkSession, paths: Sequence[str]) -> list[Segment]
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     found: dict[str, Segment] = {}
     for raw in paths:
+        if "://" not in raw:
+            check_readable_by_executors(raw, spark.sparkContext.master)
         path = jvm.org.apache.hadoop.fs.Path(raw)
         fs = path.getFileSystem(conf)
         if not fs.exists(path):
