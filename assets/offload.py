@@ -222,7 +222,7 @@ class RetentionConfig(Config):
 @asset(name=DELETED_LEDGERS, group_name=GROUP, deps=[OFFLOAD_MANIFEST, LEDGER_ENTRIES], output_required=False,
        description="Retention: ledgers deleted from the hot tables (by default only offloaded ones), with their "
        "last known catalog row; their aborts are trimmed from the abort set, readers read them from the tier. "
-       "A dry run records an observation (what would go), not a materialization: nothing changed.")
+       "A dry run, or a run with nothing to delete, records an observation, not a materialization: nothing changed.")
 def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, spark: SparkResource,
                      warehouse: WarehouseResource):
     wh = warehouse.open(spark.session())
@@ -243,7 +243,8 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
         # Kept until the buffer has run over them (`txnlake run`), with the ledgers after them.
         "ledgers_waiting_for_buffer": MetadataValue.json([f"{t}/{l}" for t, l in result.waiting_for_buffer]),
     }
-    if config.dry_run:
+    # A dry run, or a run that deleted nothing, changed no table: an observation, not a materialization.
+    if config.dry_run or not (result.deleted or result.finished):
         context.log_event(AssetObservation(asset_key=DELETED_LEDGERS, metadata=outcome))
         return
     yield MaterializeResult(metadata=table_metadata(wh, DELETED_LEDGERS, **outcome))

@@ -538,9 +538,11 @@ def cmd_retention(args: argparse.Namespace) -> int:
     print("retention policy: " + ", ".join(f"{k}={v}" for k, v in config.items() if v is not None), flush=True)
     instance = _instance()
     result = _run("retention", instance, run_config={"ops": {DELETED_LEDGERS: {"config": config}}})
-    # A real run materializes deleted_ledgers; a dry run only observes it (nothing changed).
-    [event] = result.get_asset_observation_events() if args.dry_run else result.get_asset_materialization_events()
-    outcome = event.event_specific_data.asset_observation if args.dry_run else event.event_specific_data.materialization
+    # A run that deleted something materializes deleted_ledgers; a dry run or one with nothing to
+    # delete only observes it (nothing changed).
+    materialized = result.get_asset_materialization_events()
+    [event] = materialized or result.get_asset_observation_events()
+    outcome = event.event_specific_data.materialization if materialized else event.event_specific_data.asset_observation
     meta = {k: getattr(v, "value", v) for k, v in outcome.metadata.items()}
     verb = "would delete" if args.dry_run else "deleted"
     for key in meta["ledgers_deleted"]:
@@ -549,8 +551,11 @@ def cmd_retention(args: argparse.Namespace) -> int:
         print(f"  finished the interrupted deletion of {key}")
     for key in meta["ledgers_waiting_for_buffer"]:
         print(f"  kept {key}: the transaction buffer has not run over it yet (run `txnlake run`, then retention again)")
-    print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
-    if not args.dry_run:
+    if not (materialized or args.dry_run):
+        print("nothing to do: no ledger is due under this policy (nothing was recorded)")
+    else:
+        print(f"{verb} {len(meta['ledgers_deleted'])} ledger(s): {meta['entries_freed']} entries, {meta['bytes_freed']} bytes")
+    if materialized:
         print(f"VACUUM deleted {meta['files_reclaimed']} file(s) from disk: those earlier deletes replaced, past each "
               "table's delta.deletedFileRetentionDuration (Delta's default: 7 days)")
     _print_materializations(result)  # (none for a dry run)
