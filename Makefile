@@ -8,7 +8,7 @@ export TXNLAKE_WAREHOUSE ?= $(CURDIR)/warehouse
 DEMO_FILE := $(CURDIR)/data/demo-ledgers.jsonl
 DEMO_ENTRIES ?= 20000
 
-.PHONY: setup run test test-fast bench ui clean-warehouse
+.PHONY: setup browser run test test-fast bench ui clean-warehouse
 
 ## setup: create .venv, install the project (pinned), fetch the jars once (Delta Lake, S3A, and the
 ## Kafka broker the tests start: tests/kafka_broker.py) and compile the S3 log store
@@ -52,8 +52,14 @@ run: setup $(DAGSTER_HOME)/dagster.yaml
 ## to keep an eye on the suite's time.
 ## `make test TEST_WORKERS=0` runs it in this process.
 TEST_WORKERS ?= 2
-test: setup
+test: setup browser
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30
+
+## browser: Debian's Chromium for the UI test in a headless browser (tests/test_webserver.py), once.
+browser:
+	@test -x /usr/bin/chromium || { echo "== installing Debian's chromium (the UI test's browser)"; \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+		else sudo apt-get install -y chromium; fi; }
 
 ## test-fast: the tests that need no JVM, server or subprocess (marked from their fixtures in
 ## tests/conftest.py; one that starts Spark anyway fails at once).
