@@ -28,20 +28,10 @@ $(DAGSTER_HOME)/dagster.yaml:
 	@printf 'telemetry:\n  enabled: false\nconcurrency:\n  pools:\n    granularity: run\n    default_limit: 1\n' > $@
 
 ## run: generate and ingest a small demo log into an empty warehouse (plus a workload through the
-## engine), derive every table, take the transaction-buffer snapshots and offload eligible ledgers.
+## engine), derive every table, take the transaction-buffer snapshots and offload eligible ledgers:
+## `txnlake quickstart`, every step its own named Dagster run, all in one process.
 run: setup $(DAGSTER_HOME)/dagster.yaml
-	@if [ ! -d "$(TXNLAKE_WAREHOUSE)/ledger_entries/_delta_log" ]; then \
-		echo "== empty warehouse: generating $(DEMO_ENTRIES) demo entries"; \
-		mkdir -p $(dir $(DEMO_FILE)); \
-		$(VENV)/bin/txnlake generate --force --entries $(DEMO_ENTRIES) --seed 7 $(DEMO_FILE) && \
-		$(VENV)/bin/txnlake ingest $(DEMO_FILE) && \
-		$(VENV)/bin/txnlake demo || exit 1; \
-	else \
-		$(VENV)/bin/txnlake migrate || exit 1; \
-	fi
-	$(VENV)/bin/txnlake run
-	$(VENV)/bin/txnlake snapshot
-	$(VENV)/bin/txnlake offload
+	$(VENV)/bin/txnlake quickstart --entries $(DEMO_ENTRIES) --file $(DEMO_FILE)
 	@echo
 	@echo "Tables (Delta) are under $(TXNLAKE_WAREHOUSE)/<table>."
 	@echo "Open the UI:  make ui   (DAGSTER_HOME=$(DAGSTER_HOME) $(VENV)/bin/dagster dev -w workspace.yaml)"

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Sequence
 
 from pipelines.arguments import non_negative
@@ -146,6 +147,32 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     for table, columns in added.items():
         print(f"  {table}: added {', '.join(columns)}")
     print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    return 0
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    """`make run`: into an empty warehouse a generated log and the engine's demo workload, then
+    every derived table, the snapshots and the offload; one process (one JVM, one import of the
+    code location), each step still its own named Dagster run, told as `txnlake STEP`."""
+    from txn_engine.core.schema import LEDGER_ENTRIES
+
+    quiet = ["--quiet"] if args.quiet else []
+    if _open_warehouse().exists(LEDGER_ENTRIES):
+        steps = [["migrate"]]
+    else:
+        print(f"empty warehouse: generating {args.entries} demo entries into {args.file}", flush=True)
+        Path(args.file).parent.mkdir(parents=True, exist_ok=True)
+        steps = [["generate", "--force", "--entries", str(args.entries), "--seed", str(args.seed), args.file, *quiet],
+                 ["ingest", args.file, *quiet], ["demo", *quiet]]
+    steps += [["run", *quiet], ["snapshot", *quiet], ["offload", *quiet]]
+    started = time.monotonic()
+    for step in steps:
+        print(f"\n== txnlake {' '.join(step)}", flush=True)
+        code = main(step)
+        if code:
+            print(f"quickstart stopped: `txnlake {' '.join(step)}` exited {code}", file=sys.stderr)
+            return code
+    print(f"\nquickstart done in {time.monotonic() - started:.0f}s: {len(steps)} steps, one process")
     return 0
 
 
@@ -653,6 +680,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(func=cmd_demo)
 
+
+    p = sub.add_parser("quickstart", help="what `make run` runs: demo data into an empty warehouse, then run, "
+                       "snapshot and offload, in one process",
+                       description="Into an empty warehouse: generate a demo log, ingest it and run the engine's demo "
+                       "workload; into one with data: migrate. Then run, snapshot and offload. Each step is the "
+                       "command of that name (its own named Dagster run), all in one process.")
+    p.add_argument("--entries", type=non_negative(), default=20_000, help="demo entries to generate (default 20000)")
+    p.add_argument("--seed", type=int, default=7, help="random seed of the demo log (default 7)")
+    p.add_argument("--file", default="data/demo-ledgers.jsonl", help="where the demo log goes (default data/demo-ledgers.jsonl)")
+    _add_quiet(p)
+    p.set_defaults(func=cmd_quickstart)
 
     add_txn_parser(sub, cmd_txn)
     p = sub.add_parser("read", help="read a topic from a position, hot ledgers and offload tier together",

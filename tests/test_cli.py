@@ -212,3 +212,30 @@ def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_
     out = capsys.readouterr().out
     assert "  waiting   a/1: last entry is beyond the stable position" in out and "no ledger to offload" in out
     assert not DagsterInstance.get().get_materialized_partitions(AssetKey(OFFLOADED_ENTRIES))
+
+
+def test_quickstart_is_make_run_in_one_process(warehouse, warehouse_root, tmp_path, capsys):
+    """`make run`: every step a named run tagged with its own command line, in this one process;
+    the second time over the same warehouse it migrates and finds nothing new to derive."""
+    from dagster import DagsterInstance
+
+    from pipelines.runs import COMMAND_TAG
+    from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, OFFLOADED_ENTRIES
+
+    demo = tmp_path / "data" / "demo.jsonl"
+    assert main(["quickstart", "--entries", "1500", "--file", str(demo), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    steps = [line.removeprefix("== txnlake ") for line in out.splitlines() if line.startswith("== txnlake ")]
+    assert [s.split()[0] for s in steps] == ["generate", "ingest", "demo", "run", "snapshot", "offload"], steps
+    assert "quickstart done in " in out and "6 steps, one process" in out
+    runs = DagsterInstance.get().get_run_records()
+    commands = {r.dagster_run.job_name: r.dagster_run.tags.get(COMMAND_TAG) for r in runs}
+    assert commands["ingest"] == f"txnlake ingest {demo} --quiet" and commands["derive_all"] == "txnlake run --quiet"
+    assert {"demo", "take_snapshots", "offload"} <= set(commands)
+    assert warehouse.read(LEDGER_ENTRIES).count() > 1500 and warehouse.read(COMMITTED_ENTRIES).count()
+    assert warehouse.read(OFFLOADED_ENTRIES).count()
+
+    assert main(["quickstart", "--file", str(demo), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    steps = [line.removeprefix("== txnlake ").split()[0] for line in out.splitlines() if line.startswith("== txnlake ")]
+    assert steps == ["migrate", "run", "snapshot", "offload"] and "nothing to do" in out, out
