@@ -161,16 +161,13 @@ def _manifest_rows(wh, keys: set[str]) -> dict[str, dict]:
 
 
 def _partition_facts(table: str, row: dict | None, offloaded_now: bool) -> dict:
-    """A ledger partition's own metadata: its manifest row (its rows in the tier, what was dropped)."""
+    """A ledger partition's own metadata: its manifest row (its rows in the tier, what was dropped, why)."""
     facts: dict = {"offloaded_by_this_run": offloaded_now}
-    if row is None:  # offloaded, then deleted from the manifest? Not by txnlake: say so rather than guess
+    if row is None:  # a partition the tier held, whose manifest row is gone: not txnlake's doing; say 0
         facts[PARTITION_ROW_COUNT] = MetadataValue.int(0)
         return facts
     facts[PARTITION_ROW_COUNT] = MetadataValue.int(row["entries_kept"] if table == OFFLOADED_ENTRIES else 1)
-    facts.update({k: row[k] for k in ("topic", "ledger_id", "entries_before", "entries_kept", "dropped_markers",
-                                       "dropped_aborted", "bytes_before", "bytes_after", "checksum")})
-    facts["stable_position_at_offload"] = f"{row['max_read_ledger_id']}:{row['max_read_entry_id']}"
-    facts["offloaded_at"] = str(row["offloaded_at"])
+    facts.update({k: v if isinstance(v, (int, str)) else str(v) for k, v in row.items() if v is not None})
     return facts
 
 
