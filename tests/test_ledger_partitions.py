@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 BUFFER_TABLES = (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)
 # Runs launched through the GraphQL API (and a backfill's) execute at once, in this process: the
 # launcher Dagster's own tests use in place of a run worker.
-IN_PROCESS = "run_launcher:\n  module: dagster._core.launcher.sync_in_memory_run_launcher\n  class: SyncInMemoryRunLauncher\n"
+IN_PROCESS = ("run_coordinator:\n  module: dagster._core.run_coordinator\n  class: DefaultRunCoordinator\n"
+              "run_launcher:\n  module: dagster._core.launcher.sync_in_memory_run_launcher\n  class: SyncInMemoryRunLauncher\n")
 
 # Two topics with the same ledger ids 0, 1, 2 (2 OPEN): a commit whose data spans ledgers, an abort,
 # plain entries.
@@ -137,7 +138,8 @@ def test_readable_keys_backfill_metadata_and_open_ledgers(warehouse, warehouse_r
         runs = [r for r in instance.get_runs() if r.run_id not in before]
         assert sorted((r.tags["dagster/asset_partition_range_start"], r.tags["dagster/asset_partition_range_end"])
                       for r in runs) == [("orders-0/0", "orders-0/1"), ("orders-0/2", "orders-0/2")]
-        assert all(r.status == DagsterRunStatus.SUCCESS and r.tags["dagster/backfill"] == backfill_id for r in runs)
+        assert all(r.status == DagsterRunStatus.SUCCESS and r.tags["dagster/backfill"] == backfill_id for r in runs), [
+            (r.status, r.tags, failure_text(instance, r.run_id)) for r in runs]
         recorded_by = {}
         for run in runs:
             recorded = Counter((m.asset_key.to_user_string(), m.partition) for m in events(instance, run.run_id))
