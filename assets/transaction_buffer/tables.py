@@ -7,9 +7,9 @@ catalog shows changed, so the tables always describe everything in `ledger_entri
 every partition is a full recompute, a backfill one run per range. The run reports the protocol
 violations in the ledgers it recomputed and records as materialized every known partition it
 recomputed beyond its range; each partition's materialization carries that ledger's own rows
-(`dagster/partition_row_count`), the table's and the run's figures beside them. Asset checks guard the invariants. One buffer run at a time: the
-buffer lock, and the Dagster pool `transaction_buffer`, so the daemon queues a second run
-(docs/transaction-buffer.md, "Concurrency").
+(`dagster/partition_row_count`), the table's and the run's figures beside them. Asset checks guard
+the invariants. One buffer run at a time: the buffer lock, and the Dagster pool
+`transaction_buffer`, so the daemon queues a second run (docs/transaction-buffer.md, "Concurrency").
 """
 
 from dagster import (
