@@ -12,7 +12,8 @@ from txn_engine.storage.warehouse import Warehouse
 
 # Dagster's own keys (its TableMetadataSet, not exported by dagster 1.13): the UI shows them as the
 # asset's row count and column schema.
-ROW_COUNT, COLUMN_SCHEMA = "dagster/row_count", "dagster/column_schema"
+# `dagster/row_count` is the table's rows, `dagster/partition_row_count` those of the partition reported.
+ROW_COUNT, PARTITION_ROW_COUNT, COLUMN_SCHEMA = "dagster/row_count", "dagster/partition_row_count", "dagster/column_schema"
 
 
 def table_metadata(warehouse: Warehouse, table: str, rows: int | None = None, **extra: Any) -> dict[str, Any]:

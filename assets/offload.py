@@ -47,14 +47,24 @@ from dagster import (
 from pydantic import Field
 from pyspark.sql import functions as F
 
-from assets.metadata import table_metadata
-from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags, retry_after_s
+from assets.metadata import PARTITION_ROW_COUNT, table_metadata
+from assets.partitions import (
+    LEDGER_PARTITIONS,
+    check_partitions_exist,
+    ledger_keys,
+    legacy_partitions_message,
+    partition_spans,
+    range_tags,
+    requested_partition_keys,
+    retry_after_s,
+)
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.kernel import TXN_KEY
 from txn_engine.log.spark_columns import has_txn, is_data, is_marker, position_lt
 from txn_engine.tier.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
-from txn_engine.core.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.core.positions import ledger_of_partition, ledger_partition_key
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.tier.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -88,13 +98,15 @@ GROUP = "offload"
 )
 def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource):
     wh = warehouse.open(spark.session())
-    ledger_ids = [ledger_id_of_partition(k) for k in context.partition_keys]
-    result = offload_ledgers(wh, ledger_ids)
+    # A run of one key the instance does not hold reaches this step: say why it is no partition.
+    check_partitions_exist(wh, context.instance, requested_partition_keys(context.run.tags))
+    ledgers = [ledger_of_partition(k) for k in context.partition_keys]
+    result = offload_ledgers(wh, ledgers)
     savings = result.savings()
-    waiting = {f"{t}/{l}": reason for (t, l), reason in sorted(result.waiting.items())}
+    waiting = {ledger_partition_key(t, l): reason for (t, l), reason in sorted(result.waiting.items())}
     # The partitions the tier now holds: offloaded by this run, or before.
-    done = {ledger_partition_key(l) for _, l in [*result.offloaded, *result.already_offloaded]}
-    named = {ledger_partition_key(l) for _, l in [*result.offloaded, *result.already_offloaded, *result.waiting]}
+    done = set(ledger_keys([*result.offloaded, *result.already_offloaded])) & set(context.partition_keys)
+    named = done | set(waiting)
     waiting.update({k: "not in the `ledgers` catalog" for k in context.partition_keys if k not in named})
     not_done = [k for k in context.partition_keys if k not in done]
     if waiting:
@@ -105,34 +117,58 @@ def offload_tier(context: AssetExecutionContext, spark: SparkResource, warehouse
         # them as materialized, and "backfill missing partitions" would skip them afterwards.
         raise OffloadWaitingError(waiting)
     extra = {
-        "ledgers_requested": len(ledger_ids),
+        "ledgers_requested": len(ledgers),
         "facts_from": result.facts_from,
         "kept_from": result.kept_from,  # the buffer's committed_entries, or the log classified
         "step_seconds": MetadataValue.json({step: round(s, 2) for step, s in result.step_seconds.items()}),
         # Whether the orphan check had to read the tier's ledgers (see txn_engine.tier.offload).
         "tier_scanned": result.tier_scanned,
-        "ledgers_offloaded": MetadataValue.json([f"{t}/{l}" for t, l in result.offloaded]),
+        "ledgers_offloaded": MetadataValue.json([ledger_partition_key(t, l) for t, l in result.offloaded]),
         "ledgers_already_offloaded": len(result.already_offloaded),
         "ledgers_waiting": MetadataValue.json(waiting),
         "recovered": MetadataValue.json({
-            "finished": [f"{t}/{l}" for t, l in result.finished_orphans],
-            "rolled_back": [f"{t}/{l}" for t, l in result.rolled_back_orphans],
-            "states_recorded": [f"{t}/{l}" for t, l in result.states_recorded],
+            "finished": [ledger_partition_key(t, l) for t, l in result.finished_orphans],
+            "rolled_back": [ledger_partition_key(t, l) for t, l in result.rolled_back_orphans],
+            "states_recorded": [ledger_partition_key(t, l) for t, l in result.states_recorded],
         }),
-        **savings,
+        # The run's totals; each partition's own figures are its manifest row (below).
+        **{f"run_{k}": v for k, v in savings.items()},
     }
+    manifest = _manifest_rows(wh, done)
+    offloaded_now = set(ledger_keys(result.offloaded))
     for table in (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST):
         metadata = table_metadata(wh, table, **extra)
+        del metadata["rows"]  # `dagster/row_count`: the table's; each partition's rows in its own metadata
+        own = {key: _partition_facts(table, manifest.get(key), key in offloaded_now) for key in done}
         if not not_done:
+            for key in context.partition_keys:
+                context.add_asset_metadata(own[key], asset_key=table, partition_key=key)
             yield MaterializeResult(asset_key=table, metadata=metadata)
         else:
-            # An output materializes every partition of the run (dagster 1.13 has no per-partition
-            # MaterializeResult), so a range with waiting ledgers records the others one by one and
-            # skips the outputs (skippable specs). The checks, which follow the outputs, are then
-            # skipped too: they run in the next run that holds no waiting ledger.
+            # An output materializes every partition of the run, so a range with waiting ledgers
+            # records the others one by one and skips the outputs (skippable specs). The checks,
+            # which follow the outputs, are then skipped too: they run in the next run that holds
+            # no waiting ledger.
             for key in context.partition_keys:
                 if key in done:
-                    yield AssetMaterialization(asset_key=table, partition=key, metadata=metadata)
+                    yield AssetMaterialization(asset_key=table, partition=key, metadata={**metadata, **own[key]})
+
+
+def _manifest_rows(wh, keys: set[str]) -> dict[str, dict]:
+    """The `offload_manifest` rows (a row per offloaded ledger) of these partitions."""
+    rows = DeltaTables(wh).read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA).to_pylist()
+    return {k: r for r in rows if (k := ledger_partition_key(r["topic"], r["ledger_id"])) in keys}
+
+
+def _partition_facts(table: str, row: dict | None, offloaded_now: bool) -> dict:
+    """A ledger partition's own metadata: its manifest row (its rows in the tier, what was dropped, why)."""
+    facts: dict = {"offloaded_by_this_run": offloaded_now}
+    if row is None:  # a partition the tier held, whose manifest row is gone: not txnlake's doing; say 0
+        facts[PARTITION_ROW_COUNT] = MetadataValue.int(0)
+        return facts
+    facts[PARTITION_ROW_COUNT] = MetadataValue.int(row["entries_kept"] if table == OFFLOADED_ENTRIES else 1)
+    facts.update({k: v if isinstance(v, (int, str)) else str(v) for k, v in row.items() if v is not None})
+    return facts
 
 
 OFFLOAD_SELECTION = AssetSelection.assets(OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)
@@ -173,6 +209,9 @@ def offload_run_request(keys: list[str], order: list[str], cursor: dict) -> tupl
 def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResource, warehouse: WarehouseResource):
     # Read by delta-rs (`eligible_not_offloaded`): a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
+    legacy = legacy_partitions_message(context.instance)
+    if legacy:
+        return SkipReason(legacy)
     if not wh.exists(STABLE_POSITIONS):
         return SkipReason(f"no {STABLE_POSITIONS} yet: materialize the transaction buffer first")
     # Any unfinished run writing the tier: the offload job's, a UI backfill's (an asset job of its own)
@@ -181,7 +220,7 @@ def offload_eligible_ledgers(context: SensorEvaluationContext, spark: SparkResou
                if r.dagster_run.job_name == offload_job.name or OFFLOAD_KEYS & set(r.dagster_run.asset_selection or ())]
     if running:
         return SkipReason(f"offload run {running[0].dagster_run.run_id} is still to finish")
-    keys = sorted({ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)})
+    keys = ledger_keys(eligible_not_offloaded(wh))
     if not keys:
         return SkipReason("no ledger is newly eligible for offload")
     known = context.instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)

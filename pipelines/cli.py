@@ -95,17 +95,19 @@ def _meta(event) -> dict:
 
 def _print_materializations(*results) -> None:
     # A run over a partition range reports each asset once per partition, and several runs may
-    # materialize one asset: print each table once, as last written. The partitions a full buffer
-    # run recomputed beside its own carry no table figures (`recomputed_by_run_range`): skipped.
+    # materialize one asset: print each table once, as last written (`dagster/row_count` is the
+    # table's). The partitions a buffer run recomputed beside its range carry only their own figures.
+    from assets.metadata import ROW_COUNT
+
     latest = {}
     for result in results:
         for event in result.get_asset_materialization_events():
             mat = event.event_specific_data.materialization
             meta = {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
-            if "rows" in meta:
+            if ROW_COUNT in meta:
                 latest[mat.asset_key] = meta
     for key, meta in latest.items():
-        print(f"  {key.to_user_string():<24} rows={meta['rows']}  {meta.get('table_location', '')}")
+        print(f"  {key.to_user_string():<24} rows={meta[ROW_COUNT]}  {meta.get('table_location', '')}")
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
@@ -141,12 +143,25 @@ def _check_input_files(args: argparse.Namespace) -> None:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
+    from pipelines.partition_migration import migrate_ledger_partitions
     from txn_engine.storage.migrate import migrate_warehouse
 
-    added = migrate_warehouse(_open_warehouse())
+    wh = _open_warehouse()
+    added = migrate_warehouse(wh)
     for table, columns in added.items():
         print(f"  {table}: added {', '.join(columns)}")
     print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    partitions = migrate_ledger_partitions(_instance(), wh)
+    if partitions.renamed or partitions.dropped:
+        for old, new in sorted(partitions.renamed.items()):
+            print(f"  ledger partition {old} -> {', '.join(new)}")
+        if partitions.dropped:
+            print(f"  dropped {len(partitions.dropped)} ledger partition(s) of no ledger in the catalog: "
+                  f"{', '.join(partitions.dropped[:10])}{' ...' if len(partitions.dropped) > 10 else ''}")
+        print(f"Dagster instance migrated: {len(partitions.renamed)} ledger partition(s) renamed to <topic>/<ledger_id>, "
+              f"{partitions.statuses} materialized status(es) carried over")
+    else:
+        print("Dagster instance already current: no ledger partition keyed by ledger id alone")
     return 0
 
 
@@ -223,8 +238,9 @@ def _add_closed_ledger_partitions(instance, wh) -> None:
     """Add the `ledgers` catalog's newly closed ledgers as ledger partitions (what the
     ledgers_closed_sensor does), in ledger order."""
     from assets.transaction_buffer.sensors import closed_ledgers_of
-    from assets.partitions import LEDGER_PARTITIONS
+    from assets.partitions import LEDGER_PARTITIONS, refuse_legacy_partitions
 
+    refuse_legacy_partitions(instance)
     new = closed_ledgers_of(wh, instance).new_keys
     if new:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, new)
@@ -233,11 +249,10 @@ def _add_closed_ledger_partitions(instance, wh) -> None:
 
 def _add_open_ledger_partitions(instance, wh) -> list[str]:
     """Add the catalog's OPEN ledgers as ledger partitions, in ledger order; return their keys."""
-    from assets.partitions import LEDGER_PARTITIONS
-    from txn_engine.core.positions import ledger_partition_key
-    from txn_engine.log.ledgers import open_ledger_ids
+    from assets.partitions import LEDGER_PARTITIONS, ledger_keys
+    from txn_engine.log.ledgers import open_ledgers
 
-    keys = [ledger_partition_key(i) for i in open_ledger_ids(wh)]
+    keys = ledger_keys(open_ledgers(wh))
     if keys:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
         _command.console.line(f"no closed ledger yet: the {len(keys)} OPEN ledger(s) added as ledger partitions")
@@ -435,28 +450,30 @@ def _refresh_stale_catalog(instance, wh) -> None:
 def cmd_offload(args: argparse.Namespace) -> int:
     from dagster import AssetSelection
 
-    from assets.partitions import LEDGER_PARTITIONS, partition_spans
+    from assets.partitions import LEDGER_PARTITIONS, ledger_keys, partition_spans, refuse_legacy_partitions
     from pipelines.definitions import defs
     from pipelines.runs import ASSET_JOB
     from txn_engine.core.errors import TableMissingError
     from txn_engine.log.ledgers import catalog_rows
     from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
-    from txn_engine.core.positions import ledger_partition_key
+    from txn_engine.core.positions import ledger_of_partition, ledger_partition_key
     from txn_engine.core.schema import LEDGERS, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, STABLE_POSITIONS
 
     started = time.perf_counter()
     instance, wh = _instance(), _open_warehouse()
+    refuse_legacy_partitions(instance)
     _refresh_stale_catalog(instance, wh)
     waiting: dict[str, str] = {}
     if args.ledgers:
         keys, done = set(), []
         for row in catalog_rows(wh, args.ledgers):
+            key = ledger_partition_key(row["topic"], row["ledger_id"])
             if row["state"] == "OPEN":  # not a partition (those are closed ledgers): nothing to run
-                waiting[f"{row['topic']}/{row['ledger_id']}"] = "ledger is OPEN"
+                waiting[key] = "ledger is OPEN"
             elif row["state"] in ("OFFLOADED", "DELETED"):  # the tier holds it (or retention deleted it)
-                done.append(f"{row['topic']}/{row['ledger_id']} ({row['state']})")
+                done.append(f"{key} ({row['state']})")
             else:
-                keys.add(ledger_partition_key(row["ledger_id"]))
+                keys.add(key)
         if done:
             print(f"  already offloaded: {', '.join(done)}")
     else:
@@ -464,7 +481,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
             raise TableMissingError(f"table {STABLE_POSITIONS} does not exist yet at {wh.path(STABLE_POSITIONS)}: which "
                                     "ledgers are eligible depends on it; materialize the transaction buffer first (`txnlake run`).")
         # As the offload sensor chooses: eligible by the stored stable positions, not offloaded yet.
-        keys = {ledger_partition_key(ledger_id) for _, ledger_id in eligible_not_offloaded(wh)}
+        keys = set(ledger_keys(eligible_not_offloaded(wh)))
     if not keys:
         for key, reason in sorted(waiting.items()):
             print(f"  waiting   {key}: {reason}")
@@ -474,7 +491,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
         _note_views_behind(wh)
         return 0
     known = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
-    missing = sorted(keys - set(known))
+    missing = [k for k in ledger_keys(map(ledger_of_partition, keys)) if k not in set(known)]
     if missing:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, missing)
     # One run per range of ledger partitions; without LEDGER_IDs one range over every eligible
@@ -507,7 +524,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     for key, how in sorted(recovered.items()):
         print(f"  recovered {key} ({how.replace('_', ' ')})")
     already = sum(m["ledgers_already_offloaded"] for m in metas)
-    savings = {k: sum(m[k] for m in metas) for k in timing.savings()}  # OffloadResult.savings() names the totals
+    savings = {k: sum(m[f"run_{k}"] for m in metas) for k in timing.savings()}  # OffloadResult.savings() names the totals
     if metas:
         print(f"offloaded {len(offloaded)} ledger(s)" + (f" ({already} already were)" if already else "")
               + f", deciding from {metas[-1]['facts_from']}, copying from {metas[-1]['kept_from']}: {savings}")
@@ -620,10 +637,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
 
-    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse",
+    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse; rename "
+                       "the Dagster instance's ledger partitions to <topic>/<ledger_id>",
                        description="Adds the columns added to the table contract since the warehouse was written "
                        "(key_bytes, headers, timestamp_type) to every table of entries, empty for the stored rows. "
-                       "Only Delta's log changes; running it again does nothing.")
+                       "Only Delta's log changes. Then renames the Dagster instance's ledger partitions keyed by "
+                       "ledger id alone (older releases) to <topic>/<ledger_id>, keeping their materialized status. "
+                       "Running it again does nothing.")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("import-kafka", help="import a Kafka log (segments) into ledger_entries",
@@ -706,9 +726,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("offload", help="copy eligible CLOSED ledgers to the filtered offload tier (a Dagster run)",
                        description="Materializes offloaded_entries and offload_manifest for the ledger partitions "
-                       "(LEDGER_IDs, else every eligible ledger) with their checks, then refreshes ledgers, ledger_sizes "
+                       "(LEDGERs, else every eligible ledger) with their checks, then refreshes ledgers, ledger_sizes "
                        "and tier_sizes. Exit 1 when a check fails, 2 on an error.")
-    p.add_argument("ledgers", nargs="*", type=int, metavar="LEDGER_ID", help="only these ledgers (default: every eligible one)")
+    p.add_argument("ledgers", nargs="*", type=_ledger_argument, metavar="LEDGER",
+                   help="only these ledgers: TOPIC/LEDGER_ID (a partition key, as the UI shows it) or LEDGER_ID (that "
+                        "ledger of every topic); default: every eligible one")
     _add_quiet(p)
     p.set_defaults(func=cmd_offload)
 
@@ -733,6 +755,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "that is cut short or damaged, with what to do. Exit 1 when one is.")
     p.set_defaults(func=cmd_doctor)
     return parser
+
+
+def _ledger_argument(text: str) -> int | tuple[str, int]:
+    """A ledger on the command line: LEDGER_ID, or TOPIC/LEDGER_ID (a ledger partition key)."""
+    from txn_engine.core.positions import ledger_of_partition
+
+    if text.isdigit():
+        return int(text)
+    try:
+        return ledger_of_partition(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}; or a bare LEDGER_ID for that ledger of every topic") from None
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:

@@ -36,6 +36,14 @@ HISTORY = [
 ]
 
 
+# The topic of each ledger id these tests use (ids are unique across their topics).
+TOPIC_OF = {10: "seed", 15: "seed", 18: "seed", 11: "other", 12: "other", 14: "other", 16: "other", 17: "other"}
+
+
+def key(ledger: int) -> str:
+    return ledger_partition_key(TOPIC_OF[ledger], ledger)
+
+
 BUFFER = AssetSelection.assets(TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES)
 
 
@@ -68,7 +76,7 @@ def test_buffer_tables_and_checks(warehouse, dagster_resources, tmp_path):
                                                 "marker_without_data": 0}
     for table in (TXN_MARKERS, STABLE_POSITIONS, ABORTED_TXNS, COMMITTED_ENTRIES):  # read from the Delta log by delta-rs
         meta, history = metadata(result, table), DeltaTable.forPath(warehouse.spark, warehouse.path(table)).history(1)
-        assert (meta["rows"], meta["delta_version"]) == (warehouse.read(table).count(), history.first()["version"])
+        assert (meta["dagster/row_count"], meta["delta_version"]) == (warehouse.read(table).count(), history.first()["version"])
     checks = check_results(result)
     assert set(checks) == {"stable_position_never_moves_backwards", "committed_entries_are_committed_once",
                            "markers_have_matching_outcomes"}
@@ -84,7 +92,7 @@ def test_stable_position_check_catches_a_step_backwards(warehouse, dagster_resou
     # One partition of three, on a warehouse without buffer state: a full run, which rewrites every
     # ledger's rows; Dagster records the other two partitions as materialized by it too.
     instance = DagsterInstance.ephemeral()
-    keys = [ledger_partition_key(i) for i in (10, 11, 12)]
+    keys = [key(i) for i in (10, 11, 12)]
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
     result = materialize([*ALL_ASSETS, *ALL_CHECKS], selection=BUFFER, resources=dagster_resources, instance=instance,
                          partition_key=keys[1])
@@ -94,8 +102,14 @@ def test_stable_position_check_catches_a_step_backwards(warehouse, dagster_resou
     beyond = {m.partition: {k: v.value for k, v in m.metadata.items()} for m in (
         e.event_specific_data.materialization for e in result.get_asset_materialization_events())
         if m.asset_key == AssetKey(STABLE_POSITIONS) and m.partition != keys[1]}
-    reason = {"recomputed_by_run_range": keys[1], "reason": "full run: every ledger recomputed"}
-    assert beyond == {keys[0]: reason, keys[2]: reason}
+    # Each with its own figures: its topic's row of stable_positions.
+    reason = {"recomputed_by_run_range": keys[1], "reason": "full run: every ledger recomputed",
+              "dagster/partition_row_count": 1}
+    assert beyond == {
+        keys[0]: {**reason, "topic": "seed", "ledger_id": 10, "stable_position": "10:7", "last_position": "10:7",
+                  "ongoing_txns": 0},
+        keys[2]: {**reason, "topic": "other", "ledger_id": 12, "stable_position": "12:0", "last_position": "12:1",
+                  "ongoing_txns": 1}}
     checks = check_results(result)
     assert not checks["stable_position_never_moves_backwards"].passed
     assert "seed" in str(checks["stable_position_never_moves_backwards"].metadata["topics_moved_back"].value)
@@ -120,13 +134,13 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
 
     # Ledger 10 of "seed" stays OPEN (its topic's last) and grows; "other" closes 11, then 12.
     request, run = tick_and_run(HISTORY, "a.jsonl")
-    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(11)]
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [key(11)]
     assert metadata(run, STABLE_POSITIONS)["mode"] == "full"  # the only partition: everything
     later = [entry("seed", 10, 8, txn=(0, 4)), entry("seed", 10, 9, producer=8, seq=1),
              entry("other", 14, 0, "COMMIT", txn=(1, 2)), entry("other", 14, 1, txn=(1, 1))]
     request, run = tick_and_run(later, "b.jsonl")
-    assert request.partition_key_range == PartitionKeyRange(ledger_partition_key(12), ledger_partition_key(12))
-    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(i) for i in (11, 12)]
+    assert request.partition_key_range == PartitionKeyRange(key(12), key(12))
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [key(i) for i in (11, 12)]
     meta = metadata(run, STABLE_POSITIONS)
     # Ledger 12 (closed now), the OPEN ledger 10 that grew and the new OPEN ledger 14; 11 is not reread.
     assert (meta["mode"], meta["ledgers_recomputed"]) == ("incremental", 3)
@@ -138,7 +152,7 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
 
     # A backfill over one ledger (one run, a partition range) recomputes exactly that ledger.
     backfill = materialize(assets, selection=buffer, resources=dagster_resources, instance=instance,
-                           tags=range_tags(ledger_partition_key(11), ledger_partition_key(11)))
+                           tags=range_tags(key(11), key(11)))
     meta = metadata(backfill, STABLE_POSITIONS)
     assert (meta["mode"], meta["ledgers_recomputed"]) == ("incremental", 1)
     assert table_rows(warehouse) == incremental
@@ -146,7 +160,7 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
 
     # A ledger that became a partition while OPEN (`txnlake run` adds a log's first ledgers so when
     # all are OPEN) gets a run once it has closed: its key is known, but the state describes it shorter.
-    open_keys = [ledger_partition_key(i) for i in (10, 14)]
+    open_keys = [key(i) for i in (10, 14)]
     instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, open_keys)
     assert materialize(assets, selection=buffer, resources=dagster_resources, instance=instance,
                        tags=range_tags(*open_keys)).success
@@ -169,7 +183,7 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "d.jsonl", closing))])
     assert materialize(assets, selection=AssetSelection.assets(LEDGERS), resources=dagster_resources, instance=instance).success
     [request] = sensor_tick(instance, dagster_resources).run_requests
-    assert request.partition_key_range == PartitionKeyRange(ledger_partition_key(15), ledger_partition_key(16))
+    assert request.partition_key_range == PartitionKeyRange(key(16), key(15))  # added by topic: "other" first
     not_a_folder = tmp_path / "not-a-folder"
     not_a_folder.write_text("")
     failed = materialize(assets, selection=buffer, instance=instance, tags=request.tags, raise_on_error=False,
@@ -179,7 +193,7 @@ def test_sensor_adds_closed_ledgers_and_incremental_runs_equal_a_full_recompute(
     backdate_sensor_requests(instance, retry_after_s(0))
     [retry] = sensor_tick(instance, dagster_resources).run_requests
     assert retry.run_key.startswith("behind-") and retry.tags[REQUEST_TAG] != request.tags[REQUEST_TAG]
-    assert retry.partition_key_range == PartitionKeyRange(ledger_partition_key(15), ledger_partition_key(16))
+    assert retry.partition_key_range == PartitionKeyRange(key(16), key(15))  # added by topic: "other" first
     assert materialize(assets, selection=buffer, resources=dagster_resources, instance=instance, tags=retry.tags).success
     assert_equal_to_a_full_recompute(warehouse)
     assert not isinstance(sensor_tick(instance, dagster_resources), SensorResult)

@@ -56,7 +56,7 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
     assert main(["offload", "999999"]) == 2
     assert "ledger(s) 999999 not in the `ledgers` catalog" in capsys.readouterr().err
     topic, first = min((k for k, s in states().items() if s == "CLOSED"), key=lambda k: k[1])
-    assert main(["offload", str(first)]) == 0
+    assert main(["offload", f"{topic}/{first}"]) == 0  # the partition key, as the UI shows it
     out = capsys.readouterr().out
     assert f"  offloaded {topic}/{first}\n" in out and "offloaded 1 ledger(s)" in out
     assert "check tier_matches_manifest: passed" in out and "FAILED" not in out
@@ -64,7 +64,7 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
     assert states()[(topic, first)] == "OFFLOADED"  # the catalog is refreshed, and the model over it
     assert {r.state for r in warehouse.read("ledger_sizes").where(f"ledger_id = {first}").collect()} == {"OFFLOADED"}
     offloads = instance.fetch_materializations(AssetKey(OFFLOADED_ENTRIES), limit=1000).records
-    assert ledger_partition_key(first) in {r.asset_materialization.partition for r in offloads}
+    assert ledger_partition_key(topic, first) in {r.asset_materialization.partition for r in offloads}
 
     assert len(instance.fetch_materializations(AssetKey("tier_sizes"), limit=1000).records) == tier_sizes_runs + 1
 
@@ -181,8 +181,8 @@ def test_without_dagster_home_the_cli_keeps_its_runs_in_dot_dagster_home(tmp_pat
     assert not instance.is_ephemeral and Path(instance.root_directory) == home
     assert (home / "dagster.yaml").read_text() == DAGSTER_YAML
     assert DAGSTER_YAML.replace("\n", "\\n") in (REPO / "Makefile").read_text()  # what `make` writes there
-    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key(7)])
-    assert _instance().get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(7)]  # the next command's
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key("t", 7)])
+    assert _instance().get_dynamic_partitions(LEDGER_PARTITIONS.name) == ["t/7"]  # the next command's
 
 
 def test_a_log_whose_ledgers_are_all_open_gets_its_buffer_tables(warehouse, tmp_path, capsys, monkeypatch):

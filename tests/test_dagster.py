@@ -34,7 +34,7 @@ def test_definitions_load_with_every_asset_and_sql_deps():
     assert graph.get(AssetKey("ledger_sizes")).parent_keys == {AssetKey(LEDGER_ENTRIES), AssetKey(LEDGERS)}
     assert graph.get(AssetKey(LEDGERS)).parent_keys == {AssetKey(LEDGER_ENTRIES)}
     assert defs.resolve_job_def("derive_all") is not None
-    assert defs.resolve_job_def("transaction_buffer").partitions_def.name == "ledgers"
+    assert defs.resolve_job_def("transaction_buffer").partitions_def.name == "topic_ledgers"
     assert defs.resolve_sensor_def("ledgers_closed_sensor") is not None
     # Retention has its own job and (stopped) daily schedule; `txnlake run` never deletes ledgers.
     assert defs.resolve_schedule_def("retention_schedule").job_name == "retention"

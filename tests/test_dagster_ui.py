@@ -76,7 +76,7 @@ def test_sensor_materializes_a_stale_catalog_before_deciding(warehouse, dagster_
     result = tick(instance, dagster_resources)
     assert isinstance(result, SensorResult)
     assert [r.job_name for r in result.run_requests] == [transaction_buffer_job.name]
-    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(11)]
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key("other", 11)]
     run = materialize(ASSETS, selection=BUFFER, resources=dagster_resources, instance=instance,
                       tags=result.run_requests[0].tags)
     assert run.success
@@ -89,7 +89,7 @@ def test_sensor_materializes_a_stale_catalog_before_deciding(warehouse, dagster_
     refresh_catalog(instance, dagster_resources)
     result = tick(instance, dagster_resources)
     assert isinstance(result, SensorResult) and [r.job_name for r in result.run_requests] == [transaction_buffer_job.name]
-    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == [ledger_partition_key(i) for i in (11, 12)]
+    assert instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) == ["other/11", "other/12"]
 
     # Rows deleted from ledger_entries (what retention does) leave it stale too.
     warehouse.delete(LEDGER_ENTRIES, "ledger_id = 11")
@@ -128,7 +128,7 @@ def test_buffer_run_without_a_partition_says_what_to_do(warehouse, dagster_resou
     text = failure_text()
     assert "NoLedgerPartitionError" in text and "DagsterInvariantViolationError" not in text
     assert "no ledger partition yet" in text and "ledgers_closed_sensor" in text and "txnlake run" in text
-    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, [ledger_partition_key(11), ledger_partition_key(12)])
+    instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, ["other/11", "other/12"])
     text = failure_text()
     assert "(2 known)" in text and "backfill a range" in text
 

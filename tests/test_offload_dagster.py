@@ -20,8 +20,16 @@ from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
 from tests.rows import write_jsonl
 from txn_engine.log.ingest import ingest_files
 from txn_engine.tier.offload import OffloadWaitingError, offload_candidates
-from txn_engine.core.positions import ledger_partition_key as key
+from txn_engine.core.positions import ledger_partition_key
 from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
+
+TOPIC_OF = {e["ledger_id"]: e["topic"] for e in HISTORY}  # ledger ids are unique across the history's topics
+
+
+def key(ledger: int) -> str:
+    """The partition key of the history's ledger `ledger` (`t/1`)."""
+    return ledger_partition_key(TOPIC_OF[ledger], ledger)
+
 
 TIER_SIZES = [a for a in ALL_ASSETS if isinstance(a, AssetsDefinition) and AssetKey("tier_sizes") in a.keys]
 
@@ -30,11 +38,12 @@ def offload_run(resources, instance, **kwargs):
     return materialize([offload_tier, *OFFLOAD_CHECKS], resources=resources, instance=instance, **kwargs)
 
 
-def metadata(result, table):
-    # A range run reports one materialization per partition it offloaded (or found offloaded), all
-    # with the run's metadata.
+def metadata(result, table, partition: str | None = None):
+    # A range run reports one materialization per partition it offloaded (or found offloaded), each
+    # with the run's and the table's metadata and its own (its manifest row).
     mat = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()
-           if e.event_specific_data.materialization.asset_key == AssetKey(table)][0]
+           if e.event_specific_data.materialization.asset_key == AssetKey(table)
+           and partition in (None, e.event_specific_data.materialization.partition)][0]
     return {k: getattr(v, "value", v) for k, v in mat.metadata.items()}
 
 
@@ -140,10 +149,17 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert meta["tier_scanned"] is False  # the first run: no tier yet
     assert (meta["facts_from"], meta["kept_from"]) == ("ledger_entries", "ledger_entries")  # no buffer state here
     # Savings: t/1 drops 2 markers + 1 aborted, t/2 a marker + a duplicate; 8 of 12 bytes... kept as counted.
-    assert (meta["entries_before"], meta["entries_kept"], meta["entries_dropped"]) == (12, 7, 5)
-    assert (meta["dropped_markers"], meta["dropped_aborted"], meta["dropped_duplicates"]) == (3, 1, 1)
-    assert meta["bytes_saved"] == meta["bytes_before"] - meta["bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
-    assert meta["dagster/row_count"] == meta["entries_kept"] == 7
+    assert (meta["run_entries_before"], meta["run_entries_kept"], meta["run_entries_dropped"]) == (12, 7, 5)
+    assert (meta["run_dropped_markers"], meta["run_dropped_aborted"], meta["run_dropped_duplicates"]) == (3, 1, 1)
+    assert meta["run_bytes_saved"] == meta["run_bytes_before"] - meta["run_bytes_after"] == len(b"b-aborted") + len(b"t-2-1")
+    assert meta["dagster/row_count"] == meta["run_entries_kept"] == 7  # the table's rows
+    # Each partition's own figures: its manifest row, its rows in the tier.
+    own = {k: metadata(run, OFFLOADED_ENTRIES, k) for k in (key(1), key(2), key(3))}
+    assert {k: (m["topic"], m["ledger_id"], m["entries_before"], m["entries_kept"], m["dagster/partition_row_count"],
+                m["offloaded_by_this_run"]) for k, m in own.items()} == {
+        key(1): ("t", 1, 5, 2, 2, True), key(2): ("t", 2, 5, 3, 3, True), key(3): ("t", 3, 2, 2, 2, True)}
+    assert own[key(1)]["dropped_markers"] == 2 and own[key(1)]["dropped_aborted"] == 1
+    assert {metadata(run, OFFLOAD_MANIFEST, k)["dagster/partition_row_count"] for k in own} == {1}
 
     # With a manifest and recorded OFFLOADED states, a fresh process's sensor (as in the code server)
     # decides as `offload_candidates` does, and starts no JVM.
@@ -161,6 +177,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     before = tier(warehouse)
     again = offload_run(dagster_resources, instance, tags=tags)  # the backfill once more: same rows
     assert metadata(again, OFFLOADED_ENTRIES)["ledgers_already_offloaded"] == 3 and tier(warehouse) == before
+    assert metadata(again, OFFLOADED_ENTRIES, key(2))["offloaded_by_this_run"] is False
     assert key(4) not in instance.get_materialized_partitions(AssetKey(OFFLOADED_ENTRIES))
     assert warehouse.read(OFFLOAD_MANIFEST).count() == 4
     assert isinstance(offload_eligible_ledgers(build_sensor_context(instance=instance, resources=dagster_resources)), SkipReason)
@@ -170,7 +187,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert sized.success
     rows = {r.topic: r.asDict() for r in warehouse.read("tier_sizes").collect()}
     assert (rows["t"]["hot_entries"], rows["t"]["cold_entries"], rows["t"]["offloaded_ledgers"]) == (14, 7, 3)
-    assert rows["t"]["bytes_saved_by_filtering"] == meta["bytes_saved"]
+    assert rows["t"]["bytes_saved_by_filtering"] == meta["run_bytes_saved"]
     assert (rows["v"]["cold_entries"], rows["v"]["hot_entries"]) == (0, 1)
 
 

@@ -35,14 +35,14 @@ from dagster import (
 )
 
 from assets.ledger import ledgers_catalog_job
-from assets.partitions import LEDGER_PARTITIONS, partition_spans, range_tags, retry_after_s
+from assets.partitions import LEDGER_PARTITIONS, ledger_keys, legacy_partitions_message, partition_spans, range_tags, retry_after_s
 from assets.transaction_buffer.tables import DESCRIPTIONS
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.refresh import (
     LEDGER_COUNT_COLUMNS,
     closed_ledger_counts,
-    closed_ledger_ids,
+    closed_ledgers,
     ledgers_behind,
     listed_ledgers,
     read_catalog,
@@ -67,8 +67,8 @@ transaction_buffer_job = define_asset_job(
 
 
 class ClosedLedgers(NamedTuple):
-    new_keys: list[str]  # partition keys of closed ledgers that are not partitions yet, in ledger order
-    # "topic/ledger_id" -> [entry_count, last_entry_id] of the closed ledgers that need a buffer run:
+    new_keys: list[str]  # partition keys of closed ledgers that are not partitions yet, by topic and ledger
+    # partition key ("topic/ledger_id") -> [entry_count, last_entry_id] of the closed ledgers that need a buffer run:
     # new ones, those the state does not hold at the catalog's counts, and partitions whose last run
     # failed (or never ran): their tables may be right, but Dagster's partition status is not.
     to_run: dict[str, list[int]]
@@ -80,14 +80,15 @@ def closed_ledgers_of(wh: Warehouse, instance: DagsterInstance) -> ClosedLedgers
         return ClosedLedgers([], {})
     catalog = read_catalog(wh, LEDGER_COUNT_COLUMNS + ["state"])
     partitions = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
-    closed_keys = [ledger_partition_key(i) for i in closed_ledger_ids(catalog)]
+    rows = closed_ledgers(catalog)
+    closed_keys = ledger_keys(zip(rows["topic"].to_pylist(), rows["ledger_id"].to_pylist()))
     new = [k for k in closed_keys if k not in partitions]
     closed = closed_ledger_counts(catalog)
     state = stored_ledger_counts(wh)
     unrecorded = set(new) | unmaterialized_partitions(instance, [k for k in closed_keys if k in partitions])
     to_run = {**ledgers_behind(closed, state),
-              **{key: counts for key, counts in closed.items() if ledger_partition_key(key[1]) in unrecorded}}
-    return ClosedLedgers(new, {f"{topic}/{ledger}": list(counts) for (topic, ledger), counts in sorted(to_run.items())})
+              **{key: counts for key, counts in closed.items() if ledger_partition_key(*key) in unrecorded}}
+    return ClosedLedgers(new, {ledger_partition_key(*key): list(counts) for key, counts in sorted(to_run.items())})
 
 
 def buffer_range_to_run(wh: Warehouse, instance: DagsterInstance) -> tuple[str, str]:
@@ -95,7 +96,7 @@ def buffer_range_to_run(wh: Warehouse, instance: DagsterInstance) -> tuple[str, 
     closed ledgers it has not computed (in partition order), else the last partition's (an OPEN
     ledger grew: every buffer run recomputes what changed, whatever its range). Needs a partition."""
     keys = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
-    todo = {_ledger_key(name) for name in closed_ledgers_of(wh, instance).to_run} & set(keys)
+    todo = set(closed_ledgers_of(wh, instance).to_run) & set(keys)
     [span] = partition_spans(keys, todo or {keys[-1]}, contiguous=False)
     return span
 
@@ -108,7 +109,7 @@ def open_ledgers_behind(wh: Warehouse) -> list[str]:
     catalog = read_catalog(wh, LEDGER_COUNT_COLUMNS + ["state"])
     rows = listed_ledgers(catalog.filter(pc.equal(catalog["state"], "OPEN"))).select(LEDGER_COUNT_COLUMNS).to_pylist()
     counts = {(r["topic"], r["ledger_id"]): (r["entry_count"], r["last_entry_id"]) for r in rows}
-    return [f"{t}/{l}" for t, l in sorted(ledgers_behind(counts, stored_ledger_counts(wh)))]
+    return ledger_keys(ledgers_behind(counts, stored_ledger_counts(wh)))
 
 
 def unmaterialized_partitions(instance: DagsterInstance, keys: list[str]) -> set[str]:
@@ -121,10 +122,6 @@ def unmaterialized_partitions(instance: DagsterInstance, keys: list[str]) -> set
         status = instance.get_status_by_partition(AssetKey(table), keys, LEDGER_PARTITIONS) or {}
         missing |= {k for k in keys if status.get(k) not in done}
     return missing
-
-
-def _ledger_key(name: str) -> str:
-    return ledger_partition_key(int(name.rsplit("/", 1)[1]))
 
 
 def _requested_runs_state(instance: DagsterInstance, request: str) -> str:
@@ -168,6 +165,9 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
     # The catalog and the state are read by delta-rs: a tick starts no JVM in the sensor's process.
     wh = warehouse.open(spark.session)
     instance = context.instance
+    legacy = legacy_partitions_message(instance)
+    if legacy:
+        return SkipReason(legacy)
     if not wh.exists(LEDGER_ENTRIES):
         return SkipReason("no ledger_entries yet: ingest a ledger file first (`txnlake ingest FILE`, or the `ingest` job)")
     stale = stale_catalog(wh)
@@ -202,7 +202,7 @@ def ledgers_closed_sensor(context: SensorEvaluationContext, spark: SparkResource
                    for name, attempt in due.items()})
     context.update_cursor(json.dumps(cursor, sort_keys=True) if cursor else None)
     new_set = set(new)
-    known = {_ledger_key(name) for name in due} - new_set
+    known = set(due) - new_set
     known_keys = [k for k in instance.get_dynamic_partitions(LEDGER_PARTITIONS.name) if k in known]
     if not new and not known_keys:
         if waiting:

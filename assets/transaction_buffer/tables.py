@@ -6,9 +6,10 @@ One multi-asset, partitioned by ledger (`LEDGER_PARTITIONS`), computes the four 
 catalog shows changed, so the tables always describe everything in `ledger_entries`; a run over
 every partition is a full recompute, a backfill one run per range. The run reports the protocol
 violations in the ledgers it recomputed and records as materialized every known partition it
-recomputed beyond its range. Asset checks guard the invariants. One buffer run at a time: the
-buffer lock, and the Dagster pool `transaction_buffer`, so the daemon queues a second run
-(docs/transaction-buffer.md, "Concurrency").
+recomputed beyond its range; each partition's materialization carries that ledger's own rows
+(`dagster/partition_row_count`), the table's and the run's figures beside them. Asset checks guard
+the invariants. One buffer run at a time: the buffer lock, and the Dagster pool
+`transaction_buffer`, so the daemon queues a second run (docs/transaction-buffer.md, "Concurrency").
 """
 
 from dagster import (
@@ -26,15 +27,16 @@ from dagster import (
 )
 import pyarrow.compute as pc
 
-from assets.metadata import table_metadata
-from assets.partitions import LEDGER_PARTITIONS
+from assets.metadata import PARTITION_ROW_COUNT, table_metadata
+from assets.partitions import LEDGER_PARTITIONS, check_partitions_exist, requested_partition_keys
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.checks import committed_once, markers_match, stable_moves_back
+from txn_engine.buffer.ledger_rows import rows_by_ledger, stable_positions_by_topic
 from txn_engine.buffer.refresh import refresh_buffer
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.core.errors import TxnlakeError
-from txn_engine.core.positions import ledger_id_of_partition, ledger_partition_key
+from txn_engine.core.positions import ledger_of_partition
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     COMMITTED_ENTRIES,
@@ -70,13 +72,19 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
         raise NoLedgerPartitionError(no_partition_message(len(keys)))
     # Started only if the run needs Spark: an incremental run small enough for the driver does not.
     wh = warehouse.open(spark.session)
+    # A run of one key the instance does not hold reaches this step: say why it is no partition.
+    check_partitions_exist(wh, context.instance, requested_partition_keys(context.run.tags))
     # The range as Dagster resolves it (partition order: the order keys were added, which is not
     # ledger order across topics), so the ledgers computed are the partitions marked materialized.
     in_range = context.partition_keys
     every_partition = bool(keys) and set(in_range) == set(keys)
     # The catalog is read once the run holds the buffer lock (a run may wait for another).
-    refresh = refresh_buffer(wh, ledgers=[ledger_id_of_partition(k) for k in in_range], full=every_partition)
+    refresh = refresh_buffer(wh, ledgers=sorted({ledger_of_partition(k)[1] for k in in_range}), full=every_partition)
     context.log.info(f"transaction buffer: {refresh.summary()}; protocol violations there: {refresh.violations}")
+    # A run replaces rows by ledger id: every topic's ledger of a recomputed id was recomputed.
+    recomputed_ids = set(refresh.ledgers)
+    recomputed = [k for k in keys if ledger_of_partition(k)[1] in recomputed_ids]
+    facts = PartitionFacts(wh, [*in_range, *recomputed])
     ongoing = DeltaTables(wh).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["ongoing_txn_count"])["ongoing_txn_count"]
     extra = {
         "mode": "full" if refresh.full else "incremental",
@@ -85,13 +93,39 @@ def transaction_buffer_tables(context: AssetExecutionContext, spark: SparkResour
         "ledgers_recomputed": len(refresh.ledgers),
         "deleted_ledgers_retained": refresh.retained_ledgers,
         "violations": MetadataValue.json(dict(refresh.violations)),
-        "topics": len(ongoing),
-        "ongoing_txns": int(pc.sum(ongoing).as_py() or 0),
+        "table_topics": len(ongoing),
+        "table_ongoing_txns": int(pc.sum(ongoing).as_py() or 0),
     }
     for table in DESCRIPTIONS:
-        yield MaterializeResult(asset_key=table, metadata=table_metadata(wh, table, **extra))
+        for key in in_range:
+            context.add_asset_metadata(facts.of(table, key), asset_key=table, partition_key=key)
+        # The table's figures (`dagster/row_count` is the whole table's, as Dagster defines it) and
+        # the run's, under every partition of the range; each partition's own rows above.
+        metadata = table_metadata(wh, table, **extra)
+        del metadata["rows"]
+        yield MaterializeResult(asset_key=table, metadata=metadata)
     # After the run's own materializations (those of its range), which carry the tables' metadata.
-    _record_partitions_beyond_range(context, refresh, keys, in_range)
+    _record_partitions_beyond_range(context, refresh, [k for k in recomputed if k not in set(in_range)], in_range, facts)
+
+
+class PartitionFacts:
+    """What each buffer table holds for a ledger partition: its rows (`dagster/partition_row_count`),
+    and for `stable_positions` its topic's positions; read once for all the partitions of a run."""
+
+    def __init__(self, wh, keys: list[str]):
+        self._rows = rows_by_ledger(wh, [ledger_of_partition(k) for k in keys])
+        self._stable = stable_positions_by_topic(wh)
+
+    def of(self, table: str, key: str) -> dict:
+        topic, ledger = ledger_of_partition(key)
+        facts: dict = {"topic": topic, "ledger_id": ledger}
+        if table == STABLE_POSITIONS:  # a row per topic: the partition's topic's row
+            stable = self._stable.get(topic)
+            facts[PARTITION_ROW_COUNT] = MetadataValue.int(0 if stable is None else 1)
+            facts.update(stable or {})
+        else:
+            facts[PARTITION_ROW_COUNT] = MetadataValue.int(self._rows[table].get((topic, ledger), 0))
+        return facts
 
 
 class NoLedgerPartitionError(TxnlakeError):
@@ -108,25 +142,26 @@ def no_partition_message(known_partitions: int) -> str:
             f"{where}; or run `txnlake run`, which derives every table over all closed ledgers")
 
 
-def _record_partitions_beyond_range(context: AssetExecutionContext, refresh, keys: list[str], in_range: list[str]) -> None:
-    """Mark materialized the known partitions the run recomputed outside its range.
+def _record_partitions_beyond_range(context: AssetExecutionContext, refresh, beyond: list[str], in_range: list[str],
+                                    facts: PartitionFacts) -> None:
+    """Mark materialized the known partitions the run recomputed outside its range, each with its own rows.
 
     A run recomputes more than it is asked (`plan_scope`): every ledger when it is a full run (the
-    first run on a warehouse, whatever its range), the ledgers the catalog shows changed otherwise.
-    Their tables are rewritten either way; without these events Dagster would show those
-    partitions as never (or earlier) materialized.
+    first run on a warehouse, whatever its range), the ledgers the catalog shows changed otherwise,
+    and another topic's ledger of the same id. Their tables are rewritten either way; without these
+    events Dagster would show those partitions as never (or earlier) materialized.
     """
-    beyond = sorted(set(map(ledger_partition_key, refresh.ledgers)) & set(keys) - set(in_range))
     if not beyond:
         return
     run_range = in_range[0] if len(in_range) == 1 else f"{in_range[0]}...{in_range[-1]}"
     reason = ("full run: every ledger recomputed" if refresh.full
-              else "changed: the ledgers catalog differs from what the buffer state held")
+              else "changed (the ledgers catalog differs from what the buffer state held), or another topic's "
+              "ledger of the same id")
     for key in beyond:
         for table in DESCRIPTIONS:
             context.log_event(AssetMaterialization(
                 asset_key=AssetKey(table), partition=key,
-                metadata={"recomputed_by_run_range": run_range, "reason": reason},
+                metadata={**facts.of(table, key), "recomputed_by_run_range": run_range, "reason": reason},
             ))
     context.log.info(f"also recomputed, outside the range {run_range} ({reason}): {beyond}")
 

@@ -101,21 +101,33 @@ def previous_ledger_last_entries(ledger_last_entries: Sequence[Position]) -> dic
     return result
 
 
-# Dagster partitions are ledgers. Ledger ids are BookKeeper's: unique across topics and
-# increasing in creation time, so a zero-padded id sorts as the ledgers were created and a
-# partition range is a ledger range. (Should two topics share an id, the partition covers both.)
-LEDGER_KEY_DIGITS = 19  # BIGINT's widest positive value
+# Dagster partitions are ledgers, keyed "<topic>/<ledger_id>" (`orders-partition-0/42`): a ledger id
+# is unique only within its topic (every Kafka partition's first segment is ledger 0), and a person
+# reads the key in the UI. The id is last and has no "/", so a topic may hold one (Pulsar's
+# `persistent://tenant/ns/t`). Sorted, keys are ordered by `ledger_of_partition`, not as strings.
+LEDGER_KEY_SEPARATOR = "/"
+# What Dagster refuses in a dynamic partition key, or breaks its UI's partition selection text.
+_KEY_FORBIDDEN = ("...", ",", "[", "]", "\a", "\b", "\f", "\n", "\r", "\t", "\v", "\0")
 
 
-def ledger_partition_key(ledger_id: int) -> str:
-    """The Dagster partition key of a ledger: its id, zero-padded so keys sort like ids."""
+def ledger_partition_key(topic: str, ledger_id: int) -> str:
+    """The Dagster partition key of a topic's ledger: `<topic>/<ledger_id>`."""
     if ledger_id < 0:
         raise ValueError(f"ledger ids are not negative, got {ledger_id}")
-    return f"{ledger_id:0{LEDGER_KEY_DIGITS}d}"
+    bad = [s for s in _KEY_FORBIDDEN if s in topic]
+    if not topic or bad:
+        raise ValueError(f"topic {topic!r} cannot name a Dagster partition (it holds {bad or 'nothing'}); "
+                         "rename the topic in the input (Dagster refuses '...', ',', '[', ']' and control characters)")
+    return f"{topic}{LEDGER_KEY_SEPARATOR}{ledger_id}"
 
 
-def ledger_id_of_partition(key: str) -> int:
-    """The ledger id a partition key names, with a clear error for anything else."""
-    if not key.isdigit():
-        raise ValueError(f"not a ledger partition key: {key!r}; keys are zero-padded ledger ids like {ledger_partition_key(12)}")
-    return int(key)
+def ledger_of_partition(key: str) -> tuple[str, int]:
+    """(topic, ledger_id) of a ledger partition key, with a clear error for anything else."""
+    topic, _, ledger = key.rpartition(LEDGER_KEY_SEPARATOR)
+    if key.isdigit():
+        raise ValueError(f"{key!r} is a ledger partition key of an older release (a ledger id without its topic); "
+                         "run `txnlake migrate`, which renames them to <topic>/<ledger_id>")
+    if not topic or not ledger.isdigit():
+        raise ValueError(f"not a ledger partition key: {key!r}; keys are <topic>/<ledger_id>, like orders-partition-0/42")
+    return topic, int(ledger)
+

@@ -13,6 +13,7 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from txn_engine.core.errors import TxnlakeError
+from txn_engine.core.positions import ledger_partition_key
 from txn_engine.core.schema import (
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
@@ -257,23 +258,28 @@ def known_topics(warehouse: Warehouse) -> set[str]:
     return topics
 
 
-def open_ledger_ids(warehouse: Warehouse) -> list[int]:
-    """The ids of the catalog's OPEN ledgers, in order (none when there is no catalog)."""
+def open_ledgers(warehouse: Warehouse) -> list[tuple[str, int]]:
+    """(topic, ledger_id) of the catalog's OPEN ledgers, in order (none when there is no catalog)."""
     if not warehouse.exists(LEDGERS):
         return []
-    catalog = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["ledger_id", "state"])
-    return sorted(pc.unique(catalog.filter(pc.equal(catalog["state"], "OPEN"))["ledger_id"]).to_pylist())
+    catalog = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"])
+    rows = catalog.filter(pc.equal(catalog["state"], "OPEN"))
+    return sorted(set(zip(rows["topic"].to_pylist(), rows["ledger_id"].to_pylist())))
 
 
-def catalog_rows(warehouse: Warehouse, ledger_ids: list[int]) -> list[dict]:
-    """The catalog's (topic, ledger_id, state) of `ledger_ids`, in id order; an error naming the ids
-    it does not hold."""
+def catalog_rows(warehouse: Warehouse, ledgers: list[int | tuple[str, int]]) -> list[dict]:
+    """The catalog's (topic, ledger_id, state) of `ledgers`, by topic and id: an id names that ledger of
+    every topic (ids repeat across topics), a (topic, ledger_id) pair one; an error naming those it
+    does not hold."""
     rows = DeltaTables(warehouse).read(LEDGERS, LEDGERS_SCHEMA, ["topic", "ledger_id", "state"]).to_pylist()
-    by_id = {r["ledger_id"]: r for r in rows}
-    unknown = sorted(set(ledger_ids) - set(by_id))
+    named = [r for r in rows if r["ledger_id"] in ledgers or (r["topic"], r["ledger_id"]) in ledgers]
+    found = {r["ledger_id"] for r in named} | {(r["topic"], r["ledger_id"]) for r in named}
+    unknown = [ledger for ledger in ledgers if ledger not in found]
     if unknown:
-        span = f"ledgers {min(by_id)}..{max(by_id)}" if by_id else "no ledger"
+        ids = [r["ledger_id"] for r in rows]
+        span = f"ledgers {min(ids)}..{max(ids)}" if ids else "no ledger"
+        names = ", ".join(ledger_partition_key(*u) if isinstance(u, tuple) else str(u) for u in unknown)
         raise TxnlakeError(
-            f"ledger(s) {', '.join(map(str, unknown))} not in the `ledgers` catalog ({len(by_id)} ledger(s): {span}); "
+            f"ledger(s) {names} not in the `ledgers` catalog ({len(rows)} ledger(s): {span}); "
             "nothing was offloaded. `txnlake sql dbt-free-sql/ledger_sizes.sql` lists them.")
-    return [by_id[i] for i in sorted(set(ledger_ids))]
+    return sorted(named, key=lambda r: (r["topic"], r["ledger_id"]))

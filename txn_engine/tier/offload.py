@@ -313,11 +313,12 @@ class OffloadResult:
 
 def offload_ledgers(
     warehouse: Warehouse,
-    ledger_ids: Iterable[int] | None = None,
+    ledger_ids: Iterable[int | LedgerKey] | None = None,
     crash_hook: Callable[[str], None] | None = None,
     broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
 ) -> OffloadResult:
     """Offload the eligible ledgers among `ledger_ids` (all ledgers when None), recovering first.
+    An id names that ledger of every topic; a (topic, ledger_id) pair one topic's (a partition's).
 
     `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
     make it raise to simulate a crash there. `broadcast_max_bytes` bounds the decided transactions
@@ -325,7 +326,7 @@ def offload_ledgers(
     """
     wh = warehouse
     lap = StepClock()
-    wanted = None if ledger_ids is None else {int(i) for i in ledger_ids}
+    wanted = None if ledger_ids is None else {i if isinstance(i, tuple) else int(i) for i in ledger_ids}
     # One version of the log for the whole run: every job of it reads the same rows.
     log_version = wh.version(LEDGER_ENTRIES)
     if log_version is None:
@@ -371,12 +372,12 @@ def offload_ledgers(
             if key in in_manifest:
                 if row["state"] not in ("OFFLOADED", "DELETED"):
                     result.states_recorded.append(key)  # crashed after the manifest: finish
-                if wanted is None or key[1] in wanted:
+                if wanted is None or key in wanted or key[1] in wanted:
                     result.already_offloaded.append(key)
             elif key in orphans and key in eligible:
                 targets.add(key)
                 result.finished_orphans.append(key)
-            elif wanted is None or key[1] in wanted:
+            elif wanted is None or key in wanted or key[1] in wanted:
                 if key in eligible:
                     targets.add(key)
                 else:
