@@ -85,7 +85,7 @@ def test_the_asset_graph_and_a_partitioned_asset_render_in_a_browser(tmp_path):
 
     assert Path(CHROMIUM).is_file(), f"no Chromium at {CHROMIUM}: `make test` installs Debian's chromium (make browser)"
     (tmp_path / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
-    keys = [ledger_partition_key(i) for i in (7, 8, 9)]
+    keys = [ledger_partition_key(topic, i) for topic in ("orders-0", "payments-0") for i in (7, 8)]
     with DagsterInstance.from_config(str(tmp_path)) as instance:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, keys)
     shots = Path(os.environ.get("TXNLAKE_SCREENSHOTS") or tmp_path / "screenshots")
@@ -111,8 +111,9 @@ def test_the_asset_graph_and_a_partitioned_asset_render_in_a_browser(tmp_path):
             # A partitioned asset's partitions: the ledger keys a person launches backfills by.
             page.goto(f"http://127.0.0.1:{port}/assets/stable_positions?view=partitions")
             dismiss_the_welcome(page)
-            page.get_by_text(keys[-1]).first.wait_for(timeout=60_000)
-            page.get_by_text("Missing (3)").first.wait_for(timeout=60_000)
+            for key in keys:  # e.g. orders-0/7: topic and ledger
+                page.get_by_text(key, exact=True).first.wait_for(timeout=60_000)
+            page.get_by_text("Missing (4)").first.wait_for(timeout=60_000)
             partitions = len(page.screenshot(path=str(shots / "stable_positions-partitions.png")))
         finally:
             browser.close()
