@@ -212,7 +212,8 @@ def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[
     parsed = parse_segments(spark, segments).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         rows = resolve_transactions(warehouse, parsed, segments)
-        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments])
+        # A task parses whole segments in offset order: ledgers in position order, written as they come.
+        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True)
     finally:
         parsed.unpersist()
     result = KafkaImportSummary(segments, summary)
