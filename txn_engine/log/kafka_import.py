@@ -311,9 +311,21 @@ class IndexComparison:
         return not self.only_in_index and not self.only_in_aborted_txns
 
 
-def verify_against_index(warehouse: Warehouse, paths: Sequence[str]) -> IndexComparison:
-    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries."""
+def partition_folders(segment_paths: Sequence[str]) -> list[str]:
+    """The `<topic>-<partition>` folders of segment files, once each."""
+    return sorted({p.rstrip("/").rpartition("/")[0] for p in segment_paths})
+
+
+def verify_against_index(warehouse: Warehouse, paths: Sequence[str], skip_missing: bool = False) -> IndexComparison:
+    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries;
+    `skip_missing` leaves out paths that no longer exist (a partition the broker deleted)."""
     spark = warehouse.spark
+    if skip_missing:
+        conf = spark.sparkContext._jsc.hadoopConfiguration()
+        hadoop_path = spark.sparkContext._jvm.org.apache.hadoop.fs.Path
+        paths = [p for p in paths if hadoop_path(p).getFileSystem(conf).exists(hadoop_path(p))]
+        if not paths:
+            return IndexComparison([], [], [], [])
     segments = resolve_segments(spark, paths)
     topics = sorted({s.topic for s in segments})
     if not warehouse.exists(ABORTED_TXNS):
