@@ -4,10 +4,12 @@
 from dagster import (
     Definitions,
     AssetExecutionContext,
+    AssetKey,
     AssetMaterialization,
     AssetSelection,
     AssetSpec,
     Config,
+    DagsterInstance,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -24,11 +26,14 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.storage.delta_io import overwrite_small
 from txn_engine.log.ingest import IngestSummary, gap_warnings, ingest_files
-from txn_engine.log.kafka_import import import_kafka
+from txn_engine.log.kafka_import import import_kafka, partition_folders
 from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES
 
 GROUP = "ledger"
+# Metadata of an `import_kafka` run's ledger_entries materialization: the partition folders it read,
+# which the `aborted_txns_match_kafka_index` check compares with.
+KAFKA_PARTITION_FOLDERS = "kafka_partition_folders"
 
 
 class IngestConfig(Config):
@@ -117,7 +122,23 @@ def import_kafka_segments(
     wh = _open_for_append(config.paths, spark, warehouse, "no input: set config `paths` to a Kafka log directory, "
                           "partition folders or segment files (or run `txnlake import-kafka PATH...`).")
     result = import_kafka(wh, config.paths, progress=context.log.info)
-    _report_append(context, wh, result.ingest, partitions=MetadataValue.json(result.ingest.rows_by_topic))
+    _report_append(context, wh, result.ingest, partitions=MetadataValue.json(result.ingest.rows_by_topic),
+                   **{KAFKA_PARTITION_FOLDERS: MetadataValue.json(partition_folders([s.path for s in result.segments]))})
+
+
+def imported_kafka_partitions(instance: DagsterInstance) -> list[str]:
+    """The `<topic>-<partition>` folders every `import_kafka` run of this instance imported from,
+    from its `ledger_entries` materializations."""
+    folders: set[str] = set()
+    cursor = None
+    while True:
+        page = instance.fetch_materializations(AssetKey(LEDGER_ENTRIES), limit=1000, cursor=cursor)
+        for record in page.records:
+            value = record.asset_materialization.metadata.get(KAFKA_PARTITION_FOLDERS)
+            folders.update(value.value if value is not None else [])
+        if not page.has_more:
+            return sorted(folders)
+        cursor = page.cursor
 
 
 @job(name="import_kafka", description="Import a Kafka log: set ops.import_kafka_segments.config.paths (what `txnlake "

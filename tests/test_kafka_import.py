@@ -5,6 +5,8 @@ index; the segment parser's codecs, checksums and refusals."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import struct
 from collections import Counter
 from pathlib import Path
@@ -56,7 +58,9 @@ def test_import_run_verify_read_reproduce_the_broker(warehouse, warehouse_root, 
     from pipelines.cli import main
 
     assert main(["import-kafka", str(kafka.log_dir)]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # A line per partition as its segments are parsed, before the summary.
+    assert re.search(r"orders-1: parsed \d+ segment\(s\), \d+ records, [\d.]+s", err)
     assert "orders-1: " in out and "0 quarantined" in out
     # The compacted partition's gaps are warned about, as ingest does.
     assert "warning: entry ids not dense" in out and "compacted-0/0: " in out
@@ -183,3 +187,44 @@ def test_old_formats_and_other_files_are_refused_before_anything_is_read(warehou
     with pytest.raises(InputFileError, match="does not exist"):
         import_kafka(warehouse, [str(tmp_path / "missing")])
     assert not warehouse.exists(LEDGER_ENTRIES)
+
+
+def test_verify_is_an_asset_check_of_aborted_txns(dagster_resources, kafka, tmp_path):
+    """The `import_kafka` job records the partitions it read; the buffer's run then checks
+    aborted_txns against their .txnindex, and the check fails once an index names an abort the
+    table does not hold."""
+    from dagster import AssetSelection, DagsterInstance, materialize
+
+    from assets.ledger import import_kafka_job
+    from assets.transaction_buffer.tables import aborted_txns_match_kafka_index
+    from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
+    from tests.dagster_runs import derive_all
+
+    log = tmp_path / "kafka-log"
+    shutil.copytree(kafka.log_dir, log)
+    instance = DagsterInstance.ephemeral()
+    imported = import_kafka_job.execute_in_process(
+        run_config={"ops": {"import_kafka_segments": {"config": {"paths": [str(log)]}}}},
+        resources=dagster_resources, instance=instance)
+    assert imported.success
+    _catalog, derived = derive_all(dagster_resources, instance)
+
+    def evaluation(result):
+        (found,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "aborted_txns_match_kafka_index"]
+        return found
+
+    passed = evaluation(derived)
+    folders = passed.metadata["kafka_partitions"].value
+    assert passed.passed and len(folders) == len({p.parent for p in log.glob("*-*/*.log") if not p.parent.name.startswith("__")})
+    assert passed.metadata["only_in_index"].value == [] and passed.metadata["only_in_aborted_txns"].value == []
+
+    # An abort Kafka's index holds and aborted_txns does not: the index with one entry more.
+    index = next(p for p in sorted(log.glob("*-*/*.txnindex")) if p.stat().st_size and not p.parent.name.startswith("__"))
+    entry = K.parse_txn_index(index.read_bytes())[0]
+    extra = K.TXN_INDEX_ENTRY.pack(0, entry.producer_id, entry.first_offset + 10**9, entry.last_offset + 10**9, 0)
+    index.write_bytes(index.read_bytes() + extra)
+    failed = evaluation(materialize([*ALL_ASSETS, *ALL_CHECKS], selection=AssetSelection.checks(aborted_txns_match_kafka_index),
+                                    resources=dagster_resources, instance=instance, raise_on_error=False))
+    assert not failed.passed
+    assert failed.metadata["only_in_index"].value == [[index.parent.name, entry.producer_id, entry.first_offset + 10**9,
+                                                         entry.last_offset + 10**9]]

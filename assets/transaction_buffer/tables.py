@@ -13,6 +13,7 @@ the invariants. One buffer run at a time: the buffer lock, and the Dagster pool
 """
 
 from dagster import (
+    AssetCheckExecutionContext,
     AssetCheckResult,
     AssetCheckSeverity,
     AssetExecutionContext,
@@ -27,6 +28,7 @@ from dagster import (
 )
 import pyarrow.compute as pc
 
+from assets.ledger import imported_kafka_partitions
 from assets.metadata import PARTITION_ROW_COUNT, table_metadata
 from assets.partitions import LEDGER_PARTITIONS, check_partitions_exist, requested_partition_keys
 from resources.spark import SparkResource
@@ -36,6 +38,7 @@ from txn_engine.buffer.ledger_rows import rows_by_ledger, stable_positions_by_to
 from txn_engine.buffer.refresh import refresh_buffer
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.core.errors import TxnlakeError
+from txn_engine.log.kafka_import import verify_against_index
 from txn_engine.core.positions import ledger_of_partition
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -215,8 +218,29 @@ def markers_have_matching_outcomes(spark: SparkResource, warehouse: WarehouseRes
     )
 
 
+@asset_check(
+    asset=ABORTED_TXNS,
+    description="aborted_txns equals the .txnindex files of the Kafka partitions imported (`txnlake import-kafka "
+    "--verify`): Kafka's own record of every aborted transaction, (producer id, first offset, last offset). An ABORT "
+    "marker without data before it is in aborted_txns only, as expected (docs/kafka-import.md).",
+)
+def aborted_txns_match_kafka_index(context: AssetCheckExecutionContext, spark: SparkResource,
+                                   warehouse: WarehouseResource) -> AssetCheckResult:
+    folders = imported_kafka_partitions(context.instance)
+    comparison = verify_against_index(warehouse.open(spark.session), folders, skip_missing=True)
+    return AssetCheckResult(
+        passed=comparison.equal,
+        metadata={"kafka_partitions": MetadataValue.json(folders),
+                  "only_in_index": MetadataValue.json([list(a) for a in comparison.only_in_index[:20]]),
+                  "only_in_aborted_txns": MetadataValue.json([list(a) for a in comparison.only_in_aborted_txns[:20]]),
+                  "aborts_without_data": len(comparison.marker_only),
+                  "aborts_cleaned_by_compaction": len(comparison.cleaned)},
+    )
+
+
 BUFFER_CHECKS = [
     stable_position_never_moves_backwards,
     committed_entries_are_committed_once,
     markers_have_matching_outcomes,
+    aborted_txns_match_kafka_index,
 ]

@@ -72,6 +72,7 @@ from txn_engine.core.schema import (
     QUARANTINE_ENTRIES_SCHEMA,
 )
 from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.s3 import arrow_filesystem
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
@@ -554,7 +555,8 @@ def _publish_time(name: str, source_type) -> tuple[Column, Column]:
     return F.when(~F.coalesce(out_of_range, F.lit(False)), value), error
 
 
-def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | None = None) -> DataFrame:
+def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | None = None,
+             suspect: Sequence[tuple[str, int]] | None = None) -> DataFrame:
     """Add `status` (NEW, PRESENT, REPEATED_IN_INPUT, IN_DELETED_LEDGER, QUARANTINED) and
     position-conflict reasons.
 
@@ -565,22 +567,25 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     deleted ledger's former range it is IN_DELETED_LEDGER (an old file ingested again), else
     quarantined (`ledger_closed`, `ledger_offloaded`, `ledger_deleted`); nor is one in any other
     ledger before its topic's last offloaded or deleted ledger (`ledger_before_tier`). Pure.
+
+    `suspect` (topic, ledger_id), when given, holds every ledger of the input that has stored
+    rows or a position repeated in the input (`suspect_ledgers`): only their rows are compared
+    by position, since every other row is its position's only candidate and nothing is stored
+    there. Column `_compared` says which rows were.
     """
     valid = validated.filter(F.col("rule").isNull())
-    order = Window.partitionBy(*POSITION_COLUMNS).orderBy("source_file", "line")
-    ranked = valid.withColumn("_rank", F.row_number().over(order)).withColumn(
-        "_first", F.first(F.struct("source_file", "line", *LEDGER_ENTRY_COLUMNS)).over(order)
-    )
-    same_as_first = _same_entry(F.col("_first"))
-    in_input = ranked.select(
-        "*",
-        F.when(F.col("_rank") == 1, F.lit(None))
-        .when(same_as_first, F.lit(REPEATED))
-        .otherwise(F.lit(QUARANTINED))
-        .alias("_input_status"),
-    )
-    stored = existing.select(*POSITION_COLUMNS, F.struct(*LEDGER_ENTRY_COLUMNS).alias("_stored"))
-    joined = in_input.join(stored, list(POSITION_COLUMNS), "left")
+    if suspect is None:
+        joined = _by_position(valid, existing)
+    else:
+        ledgers = local_frame(valid.sparkSession, [(t, l, True) for t, l in suspect], "topic string, ledger_id bigint, _suspect boolean")
+        marked = valid.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left")
+        compared = _by_position(marked.where(F.col("_suspect").isNotNull()).drop("_suspect"),
+                                existing.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left_semi"))
+        # The others skip the window and the join, the two shuffles of full rows.
+        alone = marked.where(F.col("_suspect").isNull()).select(
+            *valid.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
+                              if c not in valid.columns and c != "_compared"], F.lit(False).alias("_compared"))
+        joined = alone if not suspect else compared.unionByName(alone)
     if immutable is None:
         joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
             ("_sealed", "string"), ("_deleted_first", "bigint"), ("_deleted_last", "bigint"),
@@ -663,13 +668,45 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     ).when(before_tier, before_tier_reason).when(status == QUARANTINED, sealed_reason)
     checked = joined.select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
-        status.alias("status"), rule.alias("rule"), reason.alias("reason"),
+        status.alias("status"), rule.alias("rule"), reason.alias("reason"), "_compared",
     )
     invalid = validated.filter(F.col("rule").isNotNull()).select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
-        F.lit(QUARANTINED).alias("status"), "rule", "reason",
+        F.lit(QUARANTINED).alias("status"), "rule", "reason", F.lit(False).alias("_compared"),
     )
     return checked.unionByName(invalid)
+
+
+def _by_position(valid: DataFrame, existing: DataFrame) -> DataFrame:
+    """`valid` with `_input_status` (by the other input rows at its position) and `_stored` (the
+    stored entry there): a window and a join over the full rows."""
+    order = Window.partitionBy(*POSITION_COLUMNS).orderBy("source_file", "line")
+    ranked = valid.withColumn("_rank", F.row_number().over(order)).withColumn(
+        "_first", F.first(F.struct("source_file", "line", *LEDGER_ENTRY_COLUMNS)).over(order)
+    )
+    same_as_first = _same_entry(F.col("_first"))
+    in_input = ranked.select(
+        "*",
+        F.when(F.col("_rank") == 1, F.lit(None))
+        .when(same_as_first, F.lit(REPEATED))
+        .otherwise(F.lit(QUARANTINED))
+        .alias("_input_status"),
+    )
+    stored = existing.select(*POSITION_COLUMNS, F.struct(*LEDGER_ENTRY_COLUMNS).alias("_stored"))
+    return in_input.join(stored, list(POSITION_COLUMNS), "left").withColumn("_compared", F.lit(True))
+
+
+def suspect_ledgers(warehouse: Warehouse, validated: DataFrame) -> list[tuple[str, int]]:
+    """The ledgers of `validated` that `classify` must compare by position: those with stored
+    rows (`ledger_ranges`, no Spark job) or a position repeated in the input (one job over the
+    positions alone: invalid rows are counted too, which only compares more). A row per ledger
+    reaches the driver."""
+    stored = ({(r["topic"], r["ledger_id"]) for r in ledger_ranges(warehouse).to_pylist()}
+              if warehouse.exists(LEDGER_ENTRIES) else set())
+    per_ledger = (validated.where(F.col("entry_id").isNotNull()).groupBy(*POSITION_COLUMNS).count()
+                  .groupBy("topic", "ledger_id").agg(F.max("count").alias("most")).collect())
+    return sorted((r["topic"], r["ledger_id"]) for r in per_ledger
+                  if r["most"] > 1 or (r["topic"], r["ledger_id"]) in stored)
 
 
 def _same_entry(other: Column) -> Column:
@@ -686,13 +723,23 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
     # Validated file by file: a union of raw files would coerce one file's columns to another's
     # types (JSONL's base64 text becoming Parquet's binary, undecoded).
     validated = reduce(DataFrame.unionByName, [validate(read_raw(spark, s, warehouse.settings)) for s in sources])
-    return append_validated(warehouse, validated, [s.path for s in sources])
+    validated = validated.persist(StorageLevel.MEMORY_AND_DISK)  # parsed once, read by each step of the append
+    try:
+        return append_validated(warehouse, validated, [s.path for s in sources])
+    finally:
+        validated.unpersist()
 
 
-def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str]) -> IngestSummary:
+def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str],
+                     in_position_order: bool = False) -> IngestSummary:
     """Classify `validate`d rows against what is stored, quarantine the bad ones and append the
     new ones (the rules of `classify`): idempotent, and a crash between the two writes is
-    repaired by running it again. Every importer of raw entries appends through here."""
+    repaired by running it again. Every importer of raw entries appends through here.
+
+    `validated` is read by several jobs (the positions, the counts, each write): pass a persisted
+    frame when computing it costs. `in_position_order`: each of its partitions holds whole
+    ledgers in position order (a Kafka segment per task), so the rows not compared by position
+    are written as they come, without the range repartition and sort."""
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
         files=files,
@@ -703,7 +750,10 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
     # concurrent ingest cannot slip a row in between the check and the write.
     with warehouse.writer(LEDGER_ENTRIES):
         existing = warehouse.read_or_empty(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
-        classified = classify(validated, existing, immutable_ledgers(warehouse)).persist(StorageLevel.MEMORY_AND_DISK)
+        suspect = suspect_ledgers(warehouse, validated)
+        classified = classify(validated, existing, immutable_ledgers(warehouse), suspect)
+        if suspect:  # keep the shuffled comparison for the counts and both writes
+            classified = classified.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             # One job: the counts, the ledgers appended to (for the gap check) and unknown columns.
             is_new = F.col("status") == NEW
@@ -751,10 +801,13 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 # Files of contiguous positions, sorted: a ledger's entries sit together, so
                 # aggregates by ledger and transaction combine before they shuffle, and readers
                 # skip files by their ledger_id statistics (docs/benchmarks.md, "Buffer").
-                new_rows = classified.filter(F.col("status") == NEW).select(
-                    *[F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
-                ).repartitionByRange(max(1, -(-summary.rows_written // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(
-                    *POSITION_COLUMNS)
+                new = classified.filter(F.col("status") == NEW)
+                columns = [F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
+                ranged = new.where(F.col("_compared")) if in_position_order else new
+                new_rows = ranged.select(*columns).repartitionByRange(
+                    max(1, -(-summary.rows_written // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(*POSITION_COLUMNS)
+                if in_position_order:
+                    new_rows = new_rows.unionByName(new.where(~F.col("_compared")).select(*columns))
                 retry_delta_conflicts(
                     lambda: new_rows.write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
                 )

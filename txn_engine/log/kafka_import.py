@@ -10,11 +10,14 @@ with its segment and byte position (rule `corrupt_batch`). `verify_against_index
 
 from __future__ import annotations
 
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
-from pyspark import StorageLevel
+from pyspark import Accumulator, AccumulatorParam, StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -100,21 +103,71 @@ def _read_bytes(jvm, fs, path, size: int | None = None) -> bytes:
         stream.close()
 
 
-def _parse_files(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-    """mapInArrow over `binaryFile` rows: each segment's records (runs in Spark's Python workers)."""
-    for batch in batches:
-        contents = batch.column("content")
-        for i, path in enumerate(batch.column("path").to_pylist()):
-            name = kafka_log.segment_name(path)
-            table = kafka_log.parse_segment(name.topic, name.base_offset, contents[i].as_py())
-            table = table.append_column("source_file", pa.array([path] * table.num_rows, pa.string()))
-            yield from table.to_batches()
+class _SegmentsParsed(AccumulatorParam):
+    """{segment path: records}: what the parse tasks have done, as they finish (a task run again
+    adds nothing)."""
+
+    def zero(self, value: dict) -> dict:
+        return {}
+
+    def addInPlace(self, a: dict, b: dict) -> dict:
+        a.update(b)
+        return a
 
 
-def parse_segments(spark: SparkSession, segments: Sequence[Segment]) -> DataFrame:
-    """The rows of `kafka_log.PARSED_SCHEMA` (plus `source_file`) of every segment, carries unresolved."""
+def parse_segments(spark: SparkSession, segments: Sequence[Segment], done: Accumulator | None = None) -> DataFrame:
+    """The rows of `kafka_log.PARSED_SCHEMA` (plus `source_file`) of every segment, carries
+    unresolved; each segment's path and record count added to `done` as it is parsed."""
+
+    def parse_files(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        # mapInArrow over `binaryFile` rows (runs in Spark's Python workers).
+        for batch in batches:
+            contents = batch.column("content")
+            for i, path in enumerate(batch.column("path").to_pylist()):
+                name = kafka_log.segment_name(path)
+                table = kafka_log.parse_segment(name.topic, name.base_offset, contents[i].as_py())
+                table = table.append_column("source_file", pa.array([path] * table.num_rows, pa.string()))
+                yield from table.to_batches()
+                if done is not None:
+                    done.add({path: table.num_rows})
+
     files = spark.read.format("binaryFile").load([s.path for s in segments])
-    return files.mapInArrow(_parse_files, PARSED_DDL)
+    return files.mapInArrow(parse_files, PARSED_DDL)
+
+
+@contextmanager
+def partition_progress(segments: Sequence[Segment], done: Accumulator, progress: Callable[[str], None],
+                       started: float, poll_s: float = 0.5) -> Iterator[None]:
+    """While the body runs (the job that parses), a line per partition as its last segment is
+    parsed: its segments, records and the seconds since `started`; the rest when the body ends."""
+    wanted: dict[str, set[str]] = {}
+    for s in segments:
+        wanted.setdefault(s.topic, set()).add(s.path)
+    reported: set[str] = set()
+
+    def report() -> None:
+        parsed = dict(done.value)
+        for topic in sorted(wanted):
+            if topic not in reported and wanted[topic] <= parsed.keys():
+                reported.add(topic)
+                records = sum(parsed[p] for p in wanted[topic])
+                progress(f"  {topic}: parsed {len(wanted[topic])} segment(s), {records} records, "
+                         f"{time.monotonic() - started:.1f}s")
+
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(poll_s):
+            report()
+
+    watcher = threading.Thread(target=watch, name="txnlake-import-progress", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+    report()
 
 
 def _stored_open_txns(warehouse: Warehouse, firsts: dict[str, int]) -> dict[str, dict[int, int]]:
@@ -206,16 +259,20 @@ class KafkaImportSummary:
 
 def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[[str], None] = lambda line: None) -> KafkaImportSummary:
     """Import Kafka segments into `ledger_entries` (see the module docstring)."""
+    started = time.monotonic()
     spark = warehouse.spark
     segments = resolve_segments(spark, paths)
     topics = sorted({s.topic for s in segments})
     progress(f"import-kafka: {len(segments)} segment(s) of {len(topics)} partition(s): {', '.join(topics[:10])}"
              + (" ..." if len(topics) > 10 else ""))
+    done = spark.sparkContext.accumulator({}, _SegmentsParsed())
     # Parsed once: the transaction chain and the append both read it.
-    parsed = parse_segments(spark, segments).persist(StorageLevel.MEMORY_AND_DISK)
+    parsed = parse_segments(spark, segments, done).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        rows = resolve_transactions(warehouse, parsed, segments)
-        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments])
+        with partition_progress(segments, done, progress, started):  # the chain's job parses
+            rows = resolve_transactions(warehouse, parsed, segments)
+        # A task parses whole segments in offset order: ledgers in position order, written as they come.
+        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True)
     finally:
         parsed.unpersist()
     result = KafkaImportSummary(segments, summary)
@@ -257,9 +314,21 @@ class IndexComparison:
         return not self.only_in_index and not self.only_in_aborted_txns
 
 
-def verify_against_index(warehouse: Warehouse, paths: Sequence[str]) -> IndexComparison:
-    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries."""
+def partition_folders(segment_paths: Sequence[str]) -> list[str]:
+    """The `<topic>-<partition>` folders of segment files, once each."""
+    return sorted({p.rstrip("/").rpartition("/")[0] for p in segment_paths})
+
+
+def verify_against_index(warehouse: Warehouse, paths: Sequence[str], skip_missing: bool = False) -> IndexComparison:
+    """`aborted_txns` of the imported partitions against the segments' `.txnindex` entries;
+    `skip_missing` leaves out paths that no longer exist (a partition the broker deleted)."""
     spark = warehouse.spark
+    if skip_missing:
+        conf = spark.sparkContext._jsc.hadoopConfiguration()
+        hadoop_path = spark.sparkContext._jvm.org.apache.hadoop.fs.Path
+        paths = [p for p in paths if hadoop_path(p).getFileSystem(conf).exists(hadoop_path(p))]
+        if not paths:
+            return IndexComparison([], [], [], [])
     segments = resolve_segments(spark, paths)
     topics = sorted({s.topic for s in segments})
     if not warehouse.exists(ABORTED_TXNS):
