@@ -9,11 +9,14 @@ from dagster import (
     AssetSelection,
     AssetSpec,
     Config,
+    DagsterEventType,
     DagsterInstance,
+    DagsterRunStatus,
     Failure,
     MaterializeResult,
     MetadataValue,
     OpExecutionContext,
+    RunsFilter,
     asset,
     define_asset_job,
     job,
@@ -127,18 +130,18 @@ def import_kafka_segments(
 
 
 def imported_kafka_partitions(instance: DagsterInstance) -> list[str]:
-    """The `<topic>-<partition>` folders every `import_kafka` run of this instance imported from,
-    from its `ledger_entries` materializations."""
+    """The `<topic>-<partition>` folders every successful `import_kafka` run of this instance
+    imported from, from those runs' `ledger_entries` materializations (not every ingest's)."""
     folders: set[str] = set()
-    cursor = None
-    while True:
-        page = instance.fetch_materializations(AssetKey(LEDGER_ENTRIES), limit=1000, cursor=cursor)
-        for record in page.records:
-            value = record.asset_materialization.metadata.get(KAFKA_PARTITION_FOLDERS)
-            folders.update(value.value if value is not None else [])
-        if not page.has_more:
-            return sorted(folders)
-        cursor = page.cursor
+    runs = instance.get_run_records(RunsFilter(job_name="import_kafka", statuses=[DagsterRunStatus.SUCCESS]))
+    for run in runs:
+        events = instance.get_records_for_run(run.dagster_run.run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION)
+        for record in events.records:
+            materialization = record.event_log_entry.asset_materialization
+            if materialization is not None and materialization.asset_key == AssetKey(LEDGER_ENTRIES):
+                value = materialization.metadata.get(KAFKA_PARTITION_FOLDERS)
+                folders.update(value.value if value is not None else [])
+    return sorted(folders)
 
 
 @job(name="import_kafka", description="Import a Kafka log: set ops.import_kafka_segments.config.paths (what `txnlake "
