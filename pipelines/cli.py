@@ -140,10 +140,12 @@ def _check_input_files(args: argparse.Namespace) -> None:
 def cmd_migrate(args: argparse.Namespace) -> int:
     from txn_engine.storage.migrate import migrate_warehouse
 
-    added = migrate_warehouse(_open_warehouse())
-    for table, columns in added.items():
-        print(f"  {table}: added {', '.join(columns)}")
-    print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    from pipelines.definitions import RESOURCES
+    from txn_engine.storage.warehouse import Warehouse
+
+    # Not `_open_warehouse`: that refuses the older layouts this command exists for.
+    done = migrate_warehouse(Warehouse(RESOURCES["spark"].session, RESOURCES["warehouse"].settings()))
+    print("warehouse migrated" if done else "warehouse already current: nothing to migrate")
     return 0
 
 
@@ -577,10 +579,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
 
-    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse",
-                       description="Adds the columns added to the table contract since the warehouse was written "
-                       "(key_bytes, headers, timestamp_type) to every table of entries, empty for the stored rows. "
-                       "Only Delta's log changes; running it again does nothing.")
+    p = sub.add_parser("migrate", help="bring a warehouse an older txnlake wrote to the current layout and columns",
+                       description="Moves internal state under <warehouse>/_internal/ and the offload manifest to the "
+                       "warehouse root (its checksum in hex); adds the columns the table contract gained (key_bytes, "
+                       "headers, timestamp_type empty for stored rows; txn_id from the two halves) and every column's "
+                       "description (docs/tables.md). Crash-safe: a rerun finishes; running it again does nothing.")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("import-kafka", help="import a Kafka log (segments) into ledger_entries",
@@ -786,8 +789,11 @@ def _cancel_current_run() -> str:
 def _require_whole_logs() -> None:
     from pipelines.definitions import MAINTAINED_TABLES, RESOURCES
     from txn_engine.storage.logs import require_whole_logs
+    from txn_engine.storage.migrate import require_current_layout
 
-    require_whole_logs(RESOURCES["warehouse"].settings(), MAINTAINED_TABLES)
+    settings = RESOURCES["warehouse"].settings()
+    require_whole_logs(settings, MAINTAINED_TABLES)
+    require_current_layout(settings)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -74,7 +74,7 @@ from txn_engine.core.schema import (
 from txn_engine.core.settings import WarehouseSettings
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.s3 import arrow_filesystem
-from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
+from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
 
 # Rows per file ingest writes (about 18 MB of generated entries).
 ROWS_PER_FILE = 1_000_000
@@ -756,7 +756,8 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 ).repartitionByRange(max(1, -(-summary.rows_written // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(
                     *POSITION_COLUMNS)
                 retry_delta_conflicts(
-                    lambda: new_rows.write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+                    lambda: stored_frame(LEDGER_ENTRIES, new_rows).write.format("delta").mode("append").save(
+                        warehouse.path(LEDGER_ENTRIES))
                 )
             if appended_to:
                 summary.entry_id_gaps = entry_id_gaps(warehouse, appended_to)
@@ -797,4 +798,4 @@ def _write_quarantine(warehouse: Warehouse, classified: DataFrame, ingest_id: st
         key = ["source_file", "line", "rule"]
         fresh = rows.dropDuplicates(key).join(stored.select(*key, F.col("raw").alias("_raw")), key, "left")
         fresh = fresh.filter(F.col("_raw").isNull() | ~F.col("_raw").eqNullSafe(F.col("raw"))).drop("_raw")
-        retry_delta_conflicts(lambda: fresh.write.format("delta").mode("append").save(path))
+        retry_delta_conflicts(lambda: stored_frame(QUARANTINE_ENTRIES, fresh).write.format("delta").mode("append").save(path))
