@@ -49,7 +49,7 @@ def _with_kinds(spec: AssetSpec) -> AssetSpec:
     if spec.key == AssetKey(LEDGER_ENTRIES):
         return spec.merge_attributes(kinds={"spark", "python", "delta"})
     if spec.group_name == sql_models.GROUP:
-        return spec.merge_attributes(kinds={"sql", "spark", "delta"})
+        return spec.merge_attributes(kinds={"sql", "spark"} if spec.key.path[-1] in views() else {"sql", "spark", "delta"})
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 

@@ -39,9 +39,9 @@ def host_env(s3_store, tmp_path: Path, name: str, prefix: str, **extra: str) -> 
 def test_an_s3_warehouse_keeps_its_locks_in_the_store(s3_store):
     settings = s3_store.settings("placed")
     assert settings.locks_in_store()
-    assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_locks/ledgers.lock"
+    assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_internal/locks/ledgers.lock"
     with writer_lock(settings, "ledgers"):
-        assert "placed/_locks/ledgers.lock" in s3_store.keys("placed/_locks/")
+        assert "placed/_internal/locks/ledgers.lock" in s3_store.keys("placed/_internal/locks/")
         with pytest.raises(TableLockTimeout, match=r"s3://.*ledgers\.lock; another txnlake process \(pid \d+ on "):
             with writer_lock(settings, "ledgers", timeout_s=0.3):
                 pass
@@ -154,4 +154,4 @@ def test_a_local_warehouse_keeps_flock_in_its_folder(tmp_path):
     settings = WarehouseSettings(warehouse=str(tmp_path / "wh"))
     assert not settings.locks_in_store()
     with writer_lock(settings, "ledgers"):
-        assert (tmp_path / "wh" / "_locks" / "ledgers.lock").is_file()
+        assert (tmp_path / "wh" / "_internal" / "locks" / "ledgers.lock").is_file()

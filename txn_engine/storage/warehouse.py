@@ -164,7 +164,9 @@ class Warehouse:
 def require_current_columns(table: str, columns: list[str], location: str) -> None:
     """Refuse a table written before columns the contract added since (`schema.ADDED_COLUMNS`):
     reading or appending it would fail deep inside a job, or drop the new columns' values."""
-    missing = [c for c in ADDED_COLUMNS.get(table, ()) if c not in columns]
+    # txn_id is owed only beside the two halves it is made of.
+    owed = [c for c in ADDED_COLUMNS.get(table, ()) if c != TXN_ID or set(TXN_HALVES) <= set(columns)]
+    missing = [c for c in owed if c not in columns]
     if missing:
         raise WarehouseMigrationError(
             f"{table} at {location} has no column(s) {', '.join(missing)}: it was written by an older txnlake. "
