@@ -698,7 +698,7 @@ TABLES: dict[str, TableSpec] = {s.name: s for s in [
                         "abort_rate DOUBLE"), kind=Kind.SQL_MODEL),
     _spec("ledger_sizes", Place.PUBLIC, "Per topic and ledger: entries, markers, bytes, state and share of the topic.",
           _model_schema("topic STRING, ledger_id BIGINT, state STRING, entries BIGINT, data_entries BIGINT, "
-                        "marker_entries BIGINT, bytes BIGINT, pct_of_topic_entries DOUBLE"), kind=Kind.SQL_MODEL),
+                        "marker_entries BIGINT, bytes BIGINT, pct_of_topic_entries DECIMAL(27,2)"), kind=Kind.SQL_MODEL),
     _spec("oldest_ongoing_txn", Place.PUBLIC, "Per topic with transactions ongoing, the oldest: what holds its stable "
           "position back.", _model_schema(
               "topic STRING, txn_most_bits BIGINT, txn_least_bits BIGINT, txn_id STRING, first_ledger_id BIGINT, "

@@ -194,7 +194,7 @@ EMPTY_CHECKSUM = "0" * 16
 
 def checksum_hex(total: Column) -> Column:
     """An exact sum of 64-bit hashes (a decimal) as the manifest's checksum: modulo 2^64, 16 hex digits."""
-    wrapped = F.pmod(total, F.lit(1 << 64).cast("decimal(38,0)")).cast("decimal(20,0)").cast("string")
+    wrapped = F.pmod(total, F.lit(str(1 << 64)).cast("decimal(38,0)")).cast("decimal(20,0)").cast("string")
     return F.lpad(F.lower(F.conv(wrapped, 10, 16)), 16, "0")
 
 
