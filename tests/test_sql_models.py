@@ -162,3 +162,9 @@ def test_every_shipped_model_gives_the_same_rows_in_spark_and_duckdb(prepared, m
     assert set(compared) == {"abort_rates", "ledger_sizes", "oldest_ongoing_txn", "read_committed_entries", "tier_sizes",
                              "topic_read_lag"}
     assert all(compared.values()), compared  # every model returned rows
+    # The view is what a read-committed reader sees now: committed_entries where in_stable_prefix.
+    view = run_model(warehouse, views["read_committed_entries"])
+    committed = warehouse.read("committed_entries")
+    assert 0 < view.count() < committed.count()
+    assert sorted(view.collect()) == sorted(committed.where("in_stable_prefix").drop("in_stable_prefix").collect())
+    assert view.columns == [c for c in committed.columns if c != "in_stable_prefix"]
