@@ -6,7 +6,10 @@ from typing import Any
 
 from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableSchema
 
+from pyspark.sql.types import StructType
+
 from resources.spark import spark_startup_seconds
+from txn_engine.core.schema import table_spec
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.warehouse import Warehouse
 
@@ -29,15 +32,27 @@ def table_metadata(warehouse: Warehouse, table: str, rows: int | None = None, **
     }
     schema = tables.schema(table)
     if schema is not None:
-        metadata[COLUMN_SCHEMA] = MetadataValue.table_schema(TableSchema(columns=[
-            TableColumn(f.name, f.dataType.simpleString(), constraints=TableColumnConstraints(nullable=f.nullable))
-            for f in schema.fields
-        ]))
+        metadata[COLUMN_SCHEMA] = MetadataValue.table_schema(column_schema(table, schema))
     started = spark_startup_seconds()
     if started is not None:
         metadata["spark_session_start_s"] = round(started, 2)
     metadata.update(extra)
     return metadata
+
+
+def column_schema(table: str, stored: StructType | None = None) -> TableSchema | None:
+    """The table's columns as Dagster shows them: name, type, nullability and the description of
+    `schema.TABLES` (the Delta column comments' source). `stored`: the table's actual schema (a
+    materialization's), else the declared one; None for a table neither names."""
+    spec = table_spec(table)
+    fields = stored.fields if stored is not None else spec.schema.fields if spec is not None else None
+    if fields is None:
+        return None
+    return TableSchema(columns=[
+        TableColumn(f.name, f.dataType.simpleString(), description=spec.description(f.name) if spec else None,
+                    constraints=TableColumnConstraints(nullable=f.nullable))
+        for f in fields
+    ])
 
 
 def markdown_preview(df, limit: int = 10) -> str:

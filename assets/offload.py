@@ -62,7 +62,7 @@ from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.buffer.kernel import TXN_KEY
 from txn_engine.log.spark_columns import has_txn, is_data, is_marker, position_lt
-from txn_engine.tier.offload import OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
+from txn_engine.tier.offload import EMPTY_CHECKSUM, OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
 from txn_engine.core.positions import ledger_of_partition, ledger_partition_key
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.tier.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
@@ -361,7 +361,7 @@ def tier_matches_manifest(spark: SparkResource, warehouse: WarehouseResource) ->
     actual = tier.groupBy("topic", "ledger_id").agg(F.count("*").alias("_n"), content_checksum().alias("_sum"))
     wrong = (
         manifest.join(actual, ["topic", "ledger_id"], "left")
-        .where((F.coalesce("_n", F.lit(0)) != F.col("entries_kept")) | (F.coalesce("_sum", F.lit("0")) != F.col("checksum")))
+        .where((F.coalesce("_n", F.lit(0)) != F.col("entries_kept")) | (F.coalesce("_sum", F.lit(EMPTY_CHECKSUM)) != F.col("checksum")))
         .select("topic", "ledger_id")
         .collect()
     )

@@ -1,21 +1,28 @@
 """One Dagster asset per `dbt-free-sql/*.sql` model; upstream deps come from the SQL itself."""
 
-from dagster import Definitions, AssetExecutionContext, AssetsDefinition, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AssetsDefinition, AssetSpec, Definitions, MaterializeResult, MetadataValue, asset
 
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.storage.delta_io import overwrite_small
-from txn_engine.sql.models import SqlModel, discover_models, run_model
+from txn_engine.sql.models import SqlModel, discover_models, run_model, upstream_tables
 
 GROUP = "sql_models"
 
 
-def sql_model_asset(model: SqlModel) -> AssetsDefinition:
+def sql_view_spec(view: SqlModel) -> AssetSpec:
+    """A view: in the graph with what it reads and its columns, materialized by nothing (no table)."""
+    return AssetSpec(view.name, group_name=GROUP, deps=list(view.reads), description=view.description,
+                     metadata={"sql_file": MetadataValue.path(str(view.path)), "sql": MetadataValue.md(f"```sql\n{view.sql}\n```"),
+                               "materialized": "view: `txnlake sql` and the models read its query, nothing is stored"})
+
+
+def sql_model_asset(model: SqlModel, named_views: dict[str, SqlModel]) -> AssetsDefinition:
     @asset(
         name=model.name,
         group_name=GROUP,
-        deps=list(model.reads),
+        deps=list(upstream_tables(model, named_views)),  # through a view: the view and what it reads
         description=model.description,
         metadata={"sql_file": MetadataValue.path(str(model.path)), "sql": MetadataValue.md(f"```sql\n{model.sql}\n```")},
     )
@@ -34,8 +41,10 @@ def sql_model_asset(model: SqlModel) -> AssetsDefinition:
     return _model
 
 
-def sql_model_assets() -> list[AssetsDefinition]:
-    return [sql_model_asset(m) for m in discover_models()]
+def sql_model_assets() -> list[AssetsDefinition | AssetSpec]:
+    models = discover_models()
+    named_views = {m.name: m for m in models if m.view}
+    return [sql_view_spec(m) if m.view else sql_model_asset(m, named_views) for m in models]
 
 
 defs = Definitions(assets=sql_model_assets())

@@ -43,6 +43,8 @@ ranked AS (
 )
 SELECT
     topic,
+    txn_most_bits,
+    txn_least_bits,
     CONCAT(CAST(txn_most_bits AS STRING), ':', CAST(txn_least_bits AS STRING)) AS txn_id,
     ledger_id AS first_ledger_id,
     entry_id AS first_entry_id,

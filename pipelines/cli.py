@@ -70,6 +70,15 @@ def _open_warehouse():
     return RESOURCES["warehouse"].open(RESOURCES["spark"].session)
 
 
+def _stored_warehouse():
+    """The configured warehouse as it is stored, an older layout too (`_open_warehouse` refuses
+    those, naming `txnlake migrate`): for the commands that migrate it."""
+    from pipelines.definitions import RESOURCES
+    from txn_engine.storage.warehouse import Warehouse
+
+    return Warehouse(RESOURCES["spark"].session, RESOURCES["warehouse"].settings())
+
+
 def _run(job_name: str, instance=None, **kwargs):
     """Run the named job of the code location (`pipelines.runs.run_job`) in this process, tagged with
     this command line, its steps told on the console."""
@@ -146,11 +155,9 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     from pipelines.partition_migration import migrate_ledger_partitions
     from txn_engine.storage.migrate import migrate_warehouse
 
-    wh = _open_warehouse()
-    added = migrate_warehouse(wh)
-    for table, columns in added.items():
-        print(f"  {table}: added {', '.join(columns)}")
-    print("warehouse migrated" if added else "warehouse already current: nothing to migrate")
+    wh = _stored_warehouse()
+    done = migrate_warehouse(wh)
+    print("warehouse migrated" if done else "warehouse already current: nothing to migrate")
     partitions = migrate_ledger_partitions(_instance(), wh)
     if partitions.renamed or partitions.dropped:
         for old, new in sorted(partitions.renamed.items()):
@@ -172,7 +179,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     from txn_engine.core.schema import LEDGER_ENTRIES
 
     quiet = ["--quiet"] if args.quiet else []
-    if _open_warehouse().exists(LEDGER_ENTRIES):
+    if _stored_warehouse().exists(LEDGER_ENTRIES):
         steps = [["migrate"]]
     else:
         print(f"empty warehouse: generating {args.entries} demo entries into {args.file}", flush=True)
@@ -637,13 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(func=cmd_ingest, precheck=_check_input_files)
 
-    p = sub.add_parser("migrate", help="add the columns the table contract gained to an older warehouse; rename "
-                       "the Dagster instance's ledger partitions to <topic>/<ledger_id>",
-                       description="Adds the columns added to the table contract since the warehouse was written "
-                       "(key_bytes, headers, timestamp_type) to every table of entries, empty for the stored rows. "
-                       "Only Delta's log changes. Then renames the Dagster instance's ledger partitions keyed by "
+    p = sub.add_parser("migrate", help="bring a warehouse an older txnlake wrote to the current layout and columns, "
+                       "and the Dagster instance's ledger partitions to <topic>/<ledger_id>",
+                       description="Moves internal state under <warehouse>/_internal/ and the offload manifest to the "
+                       "warehouse root (its checksum in hex); adds the columns the table contract gained (key_bytes, "
+                       "headers, timestamp_type empty for stored rows; txn_id from the two halves) and every column's "
+                       "description (docs/tables.md). Then renames the Dagster instance's ledger partitions keyed by "
                        "ledger id alone (older releases) to <topic>/<ledger_id>, keeping their materialized status. "
-                       "Running it again does nothing.")
+                       "Crash-safe: a rerun finishes; running it again does nothing.")
     p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("import-kafka", help="import a Kafka log (segments) into ledger_entries",
@@ -874,8 +882,11 @@ def _cancel_current_run() -> str:
 def _require_whole_logs() -> None:
     from pipelines.definitions import MAINTAINED_TABLES, RESOURCES
     from txn_engine.storage.logs import require_whole_logs
+    from txn_engine.storage.migrate import require_current_layout
 
-    require_whole_logs(RESOURCES["warehouse"].settings(), MAINTAINED_TABLES)
+    settings = RESOURCES["warehouse"].settings()
+    require_whole_logs(settings, MAINTAINED_TABLES)
+    require_current_layout(settings)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -28,23 +28,28 @@ from dagster import (
 )
 
 from assets import engine, ledger, offload, snapshots, sql_models, transaction_buffer
+from assets.metadata import COLUMN_SCHEMA, column_schema
 from assets.offload import OFFLOAD_SELECTION
 from pipelines.maintenance import table_maintenance
 from resources.engine import EngineResource
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
 from txn_engine.core.schema import LEDGER_ENTRIES, QUARANTINE_ENTRIES
-from txn_engine.sql.models import known_tables
+from txn_engine.sql.models import known_tables, views
 
 
 
 def _with_kinds(spec: AssetSpec) -> AssetSpec:
     """The UI's kind tags: every asset is a Delta table, computed by Spark or by a SQL model on Spark
-    (ledger_entries is also appended by the engine, in Python)."""
+    (ledger_entries is also appended by the engine, in Python); and its columns, described
+    (`schema.TABLES`), before any materialization reports them."""
+    columns = column_schema(spec.key.path[-1])
+    if columns is not None:
+        spec = spec.merge_attributes(metadata={COLUMN_SCHEMA: columns})
     if spec.key == AssetKey(LEDGER_ENTRIES):
         return spec.merge_attributes(kinds={"spark", "python", "delta"})
     if spec.group_name == sql_models.GROUP:
-        return spec.merge_attributes(kinds={"sql", "spark", "delta"})
+        return spec.merge_attributes(kinds={"sql", "spark"} if spec.key.path[-1] in views() else {"sql", "spark", "delta"})
     return spec.merge_attributes(kinds={"spark", "delta"})
 
 
@@ -65,7 +70,7 @@ ALL_ASSETS = map_asset_specs(_with_kinds, _DOMAIN_ASSETS)
 # (tier_sizes) follows an offload, not every `txnlake run`; so does retention (deleted_ledgers).
 DERIVED_SELECTION = (
     AssetSelection.all()
-    - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES)
+    - AssetSelection.assets(LEDGER_ENTRIES, QUARANTINE_ENTRIES, *views())  # written by ops; views store nothing
     - AssetSelection.groups(snapshots.GROUP)
     - OFFLOAD_SELECTION.downstream()
 )
@@ -107,8 +112,8 @@ def derive_all_pending(wh, instance) -> list[str]:
     return reasons
 
 
-# Every asset is the Delta table of its name.
-ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])}
+# Every asset is the Delta table of its name (but the views, which store nothing).
+ASSET_TABLES = set(views()) ^ {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])}
 # Every table txnlake writes: the assets', the buffer's state tables and the engine's (one list: schema.py).
 MAINTAINED_TABLES = list(known_tables())
 maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)

@@ -7,6 +7,7 @@ from pydantic import Field
 
 from resources.spark import get_spark
 from txn_engine.core.settings import WarehouseSettings
+from txn_engine.storage.migrate import require_current_layout
 from txn_engine.storage.warehouse import Warehouse
 
 
@@ -40,4 +41,6 @@ class WarehouseResource(ConfigurableResource):
     def open(self, spark=None) -> Warehouse:
         """The warehouse on `spark` (a session, or a factory such as `SparkResource.session`);
         without one, on the process's session (`get_spark`), started when first needed."""
-        return Warehouse(spark or get_spark, self.settings())
+        settings = self.settings()
+        require_current_layout(settings)  # a run would start new tables beside an older txnlake's
+        return Warehouse(spark or get_spark, settings)

@@ -10,7 +10,9 @@ from assets.offload import retention_job
 from pipelines.definitions import DERIVED_SELECTION, defs, ignore_dagsters_own_owners_warning
 from tests.dagster_runs import derive_all
 from tests.rows import entry, write_jsonl
-from txn_engine.core.schema import LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGERS, QUARANTINE_ENTRIES
+from deltalake import DeltaTable
+
+from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, QUARANTINE_ENTRIES, TABLES, stored_schema
 
 
 def metadata_of(result, key: str) -> dict:
@@ -66,7 +68,7 @@ def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_
     # Dagster's own keys, which the UI shows: the row count and the columns, from the Delta log.
     assert meta["dagster/row_count"] == 6
     columns = {c.name: (c.type, c.constraints.nullable) for c in meta["dagster/column_schema"].columns}
-    assert list(columns) == [f.name for f in LEDGER_ENTRIES_SCHEMA.fields]
+    assert list(columns) == stored_schema(LEDGER_ENTRIES).fieldNames()  # the contract's, txn_id beside its halves
     assert (columns["ledger_id"][0], columns["producer_epoch"][0], columns["publish_time"][0], columns["payload"][0]) == (
         "bigint", "int", "timestamp", "binary")
     assert columns["txn_most_bits"][1] is True  # null for non-transactional entries
@@ -81,6 +83,26 @@ def test_ingest_then_derive_every_asset_in_process(dagster_resources, warehouse_
     sizes = metadata_of(derived, "ledger_sizes")
     assert sizes["rows"] == sizes["dagster/row_count"] == 2 and "| orders-0 | 1 | CLOSED | 5 |" in sizes["preview"]
     assert (warehouse_root / "ledger_sizes" / "_delta_log").is_dir()
+    # Every column described, in the UI (each materialization's column schema) and in the Delta table
+    # (its column comment), from the one source (schema.TABLES); the asset definitions carry it too.
+    events = [*ingest.get_asset_materialization_events(), *catalog.get_asset_materialization_events(),
+              *derived.get_asset_materialization_events()]
+    graph = defs.resolve_asset_graph()
+    for event in events:
+        materialization = event.event_specific_data.materialization
+        table = materialization.asset_key.to_user_string()
+        schema_meta = materialization.metadata["dagster/column_schema"].value
+        spec = TABLES[table]
+        assert [(c.name, c.description) for c in schema_meta.columns] == [
+            (f.name, f.metadata["comment"]) for f in spec.schema.fields], table
+        assert all(c.description for c in schema_meta.columns), table
+        stored = DeltaTable(str(warehouse_root / table)).schema().fields
+        assert [(f.name, f.metadata.get("comment")) for f in stored] == [
+            (f.name, f.metadata["comment"]) for f in spec.schema.fields], table
+        declared = graph.get(materialization.asset_key).metadata["dagster/column_schema"]
+        assert [c.description for c in declared.columns] == [c.description for c in schema_meta.columns], table
+    assert {LEDGER_ENTRIES, QUARANTINE_ENTRIES, LEDGERS, "txn_markers", "committed_entries", "topic_read_lag"} <= {
+        e.event_specific_data.materialization.asset_key.to_user_string() for e in events}
 
 
 def test_ingest_without_paths_fails_with_instructions(dagster_resources):

@@ -77,8 +77,8 @@ def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark)
     first = [entry("a", 1, i) for i in range(3)] + [entry("b", 4, 0)]
     # Ledger a/1 goes on in the second commit: its range spans files (and Arrow batches).
     second = [entry("a", 1, i) for i in range(3, 6)] + [entry("a", 2, 0, "COMMIT", txn=(0, 1)), entry("b", 4, 1)]
-    entries_df(spark, first).write.format("delta").save(warehouse.path(LEDGER_ENTRIES))
-    entries_df(spark, second).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+    warehouse.append(LEDGER_ENTRIES, entries_df(spark, first))  # as every writer does: with txn_id
+    warehouse.append(LEDGER_ENTRIES, entries_df(spark, second))
     record_ledger_states(warehouse, [("a", 1, "OFFLOADED", None)])
 
     def spark_ranges(rows):
@@ -131,7 +131,7 @@ def test_ledger_ranges_from_statistics_equal_a_full_scan(warehouse, spark, layou
     if layout == "ledgers mixed in files":
         files = [[e for f in files[:3] for e in f], files[3], files[4] + ledger("b", 8, range(2))]
     for rows in files:
-        frame(spark, rows).coalesce(1).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+        warehouse.append(LEDGER_ENTRIES, frame(spark, rows).coalesce(1))
 
     def full_scan(version):
         rows = DeltaTables(warehouse).dataset(LEDGER_ENTRIES, version).to_table(columns=["topic", "ledger_id", "entry_id"])

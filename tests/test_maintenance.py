@@ -15,6 +15,7 @@ from resources.warehouse import WarehouseResource
 from txn_engine.buffer.refresh import STATE_TABLES
 from txn_engine.producers.engine import ENGINE_TABLES
 from txn_engine.core.errors import TableMissingError
+from txn_engine.core.settings import WarehouseSettings
 from txn_engine.core.schema import BUFFER_DUPLICATES, COMMITTED_ENTRIES, OFFLOADED_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY
 
@@ -35,7 +36,8 @@ def _referenced(path: str) -> set[str]:
 
 def test_table_maintenance_vacuums_each_table_with_its_own_retention(warehouse_root):
     short = {FILE_RETENTION_PROPERTY: "interval 1 seconds"}
-    paths = {t: str(warehouse_root / t) for t in (STABLE_POSITIONS, BUFFER_DUPLICATES, TXN_MARKERS)}
+    settings = WarehouseSettings(warehouse=str(warehouse_root))
+    paths = {t: settings.table_path(t) for t in (STABLE_POSITIONS, BUFFER_DUPLICATES, TXN_MARKERS)}
     _rewrite(paths[STABLE_POSITIONS], 4, short)  # an asset's table
     _rewrite(paths[BUFFER_DUPLICATES], 3, short)  # a buffer state table: not an asset, maintained too
     _rewrite(paths[TXN_MARKERS], 3)  # Delta's default retention: 7 days

@@ -30,6 +30,7 @@ from txn_engine.tier.offload import (
     _facts_from_state,
     _recorded_tables,
     _state_version,
+    EMPTY_CHECKSUM,
     checksum_of,
     classify_for_offload,
     content_checksum,
@@ -141,15 +142,16 @@ def test_decided_transactions_past_the_broadcast_bound_are_joined_by_shuffle(his
         facts.unpersist()
 
 
-def test_checksum_is_the_exact_sum_of_the_row_hashes(spark):
+def test_checksum_is_the_sum_of_the_row_hashes_in_hex(spark):
     # Summed as two 32-bit halves: the extremes of a signed 64-bit hash, carries across the
-    # halves, and a group of only nulls (no kept row: "0").
+    # halves, and a group of only nulls (no kept row: all zeros); shown modulo 2^64 in hex.
     hashes = {"extremes": [-(2**63), 2**63 - 1, -1, 0, 1, 2**32 - 1, -(2**32)],
               "carries": [2**32 - 1] * 5 + [-(2**31) * 2**32] * 3,
               "none": [None, None]}
     frame = spark.createDataFrame([(g, h) for g, values in hashes.items() for h in values], "g string, h long")
     got = {r.g: r.checksum for r in frame.groupBy("g").agg(checksum_of(F.col("h")).alias("checksum")).collect()}
-    assert got == {g: str(sum(h for h in values if h is not None)) for g, values in hashes.items()}
+    assert got == {g: f"{sum(h for h in values if h is not None) % 2**64:016x}" for g, values in hashes.items()}
+    assert got["none"] == EMPTY_CHECKSUM
 
 
 def test_manifest_counts_bytes_and_checksum_match_the_tier_rows_as_read_back(history, tmp_path):

@@ -68,4 +68,4 @@ def test_two_hosts_racing_on_s3_lose_no_commit(tmp_path):
         lost = [line for line in (tmp_path / "s3" / "s3-server.log").read_text().splitlines()
                 if "PUT /" in line and "/race_raw/_delta_log/" in line and '" 412' in line]
         assert lost, "no commit of race_raw collided with another: the test raced nothing"
-        assert "warehouse/_locks/race.lock" in store.keys("warehouse/_locks/")
+        assert "warehouse/_internal/locks/race.lock" in store.keys("warehouse/_internal/locks/")

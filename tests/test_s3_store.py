@@ -39,9 +39,9 @@ def host_env(s3_store, tmp_path: Path, name: str, prefix: str, **extra: str) -> 
 def test_an_s3_warehouse_keeps_its_locks_in_the_store(s3_store):
     settings = s3_store.settings("placed")
     assert settings.locks_in_store()
-    assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_locks/ledgers.lock"
+    assert settings.lock_path("ledgers") == f"s3://{s3_store.bucket}/placed/_internal/locks/ledgers.lock"
     with writer_lock(settings, "ledgers"):
-        assert "placed/_locks/ledgers.lock" in s3_store.keys("placed/_locks/")
+        assert "placed/_internal/locks/ledgers.lock" in s3_store.keys("placed/_internal/locks/")
         with pytest.raises(TableLockTimeout, match=r"s3://.*ledgers\.lock; another txnlake process \(pid \d+ on "):
             with writer_lock(settings, "ledgers", timeout_s=0.3):
                 pass
@@ -154,4 +154,42 @@ def test_a_local_warehouse_keeps_flock_in_its_folder(tmp_path):
     settings = WarehouseSettings(warehouse=str(tmp_path / "wh"))
     assert not settings.locks_in_store()
     with writer_lock(settings, "ledgers"):
-        assert (tmp_path / "wh" / "_locks" / "ledgers.lock").is_file()
+        assert (tmp_path / "wh" / "_internal" / "locks" / "ledgers.lock").is_file()
+
+
+def test_an_older_s3_warehouse_is_refused_then_moved_by_copy(s3_store):
+    """On S3 a table moves by a copy in one commit, then the old copy goes: no rename there. Here
+    without Spark: the tables moved need no column the contract added."""
+    import pyarrow as pa
+    from deltalake import DeltaTable, write_deltalake
+
+    from txn_engine.core.errors import WarehouseMigrationError
+    from txn_engine.core.schema import LEDGER_STATES_LOG, OFFLOAD_MANIFEST, TABLES
+    from txn_engine.storage.migrate import migrate_warehouse, require_current_layout
+
+    settings = s3_store.settings("older")
+    states = pa.table({"topic": ["t"], "ledger_id": [1], "state": ["OFFLOADED"], "reason": ["offload"],
+                       "recorded_at": pa.array([0], pa.timestamp("us", tz="UTC"))})
+    manifest_columns = TABLES[OFFLOAD_MANIFEST].schema.fieldNames()
+    manifest = {c: [0] for c in manifest_columns}
+    manifest.update(topic=["t"], ledger_id=[1], checksum=["-1"], tier_location=["s3://x/cold/offloaded_entries"],
+                    offloaded_at=pa.array([0], pa.timestamp("us", tz="UTC")))
+    former = {t: settings.former_table_path(t) for t in (LEDGER_STATES_LOG, OFFLOAD_MANIFEST)}
+    assert former[OFFLOAD_MANIFEST].endswith("/older/cold/offload_manifest")
+    write_deltalake(former[LEDGER_STATES_LOG], states, storage_options=settings.storage_options(former[LEDGER_STATES_LOG]))
+    write_deltalake(former[OFFLOAD_MANIFEST], pa.table(manifest), storage_options=settings.storage_options(former[OFFLOAD_MANIFEST]))
+    with pytest.raises(WarehouseMigrationError, match="txnlake migrate"):
+        require_current_layout(settings)
+
+    done = migrate_warehouse(Warehouse(None, settings), report=lambda line: None)
+    assert set(done) >= {LEDGER_STATES_LOG, OFFLOAD_MANIFEST}
+    require_current_layout(settings)
+    assert not s3_store.keys("older/ledger_states/") and not s3_store.keys("older/cold/offload_manifest/")
+    opts = settings.storage_options(settings.table_path(OFFLOAD_MANIFEST))
+    moved = DeltaTable(settings.table_path(LEDGER_STATES_LOG), storage_options=opts)
+    assert settings.table_path(LEDGER_STATES_LOG).endswith("/older/_internal/ledger_states")
+    assert moved.to_pyarrow_table().to_pylist() == states.to_pylist()
+    assert all(f.metadata.get("comment") for f in moved.schema().fields)
+    [row] = DeltaTable(settings.table_path(OFFLOAD_MANIFEST), storage_options=opts).to_pyarrow_table().to_pylist()
+    assert row["checksum"] == "ffffffffffffffff"  # -1 modulo 2^64
+    assert migrate_warehouse(Warehouse(None, settings), report=lambda line: None) == {}

@@ -22,7 +22,12 @@ def test_default_root_is_warehouse_under_cwd(monkeypatch, tmp_path):
     assert settings.root == str(tmp_path / "warehouse")
     assert settings.table_path("ledger_entries") == str(tmp_path / "warehouse" / "ledger_entries")
     assert settings.cold_table_path("offloaded_entries") == str(tmp_path / "warehouse" / "cold" / "offloaded_entries")
-    assert settings.lock_path("ledgers") == str(tmp_path / "warehouse" / "_locks" / "ledgers.lock")
+    assert settings.lock_path("ledgers") == str(tmp_path / "warehouse" / "_internal" / "locks" / "ledgers.lock")
+    # Internal state apart from the analyst's tables; the tier's entries at the tier's root, its manifest public.
+    assert settings.table_path("buffer_ledger_txns") == str(tmp_path / "warehouse" / "_internal" / "buffer_ledger_txns")
+    assert settings.table_path("offloaded_entries") == str(tmp_path / "warehouse" / "cold" / "offloaded_entries")
+    assert settings.table_path("offload_manifest") == str(tmp_path / "warehouse" / "offload_manifest")
+    assert settings.table_path("tier_sizes") == str(tmp_path / "warehouse" / "tier_sizes")
 
 
 def test_environment_overrides_root_and_cold_tier(monkeypatch, tmp_path):
@@ -46,7 +51,7 @@ def test_any_uri_spark_can_write(root, table_path, local):
     assert settings.table_path("ledgers") == table_path
     assert settings.is_local() is local
     if root.startswith("s3a:"):  # leases in the store itself (tests/test_s3_leases.py)
-        assert settings.lock_path("ledgers") == "s3a://bucket/lake/_locks/ledgers.lock"
+        assert settings.lock_path("ledgers") == "s3a://bucket/lake/_internal/locks/ledgers.lock"
     elif not local:  # no lease there: a lock on this machine
         assert settings.lock_path("ledgers") == str(Path.home() / ".cache" / "txnlake" / "locks" / "ledgers.lock")
 
@@ -104,12 +109,13 @@ def test_empty_root_is_a_clear_error():
         ({"warehouse": "{f}/sub"}, r"TXNLAKE_WAREHOUSE\) is {f}/sub, which lies under {f}, which is a file"),
         ({"warehouse": "{d}", "cold_tier": "{f}"}, r"offload tier root \(TXNLAKE_COLD_TIER.*\) is {f}, which is a file"),
         ({"warehouse": "{d}", "lock_dir": "{f}"}, r"writer lock folder \(TXNLAKE_LOCK_DIR.*\) is {f}, which is a file"),
-        ({"warehouse": "{d}/wh"}, r"writer lock folder .* is {d}/wh/_locks, which is a file"),  # the default one
+        ({"warehouse": "{d}/wh"}, r"writer lock folder .* is {d}/wh/_internal/locks, which lies under {d}/wh/_internal, "
+         "which is a file"),  # the default one
     ],
 )
 def test_a_folder_setting_that_is_a_file_is_a_clear_error(tmp_path, settings, error):
     (tmp_path / "folder" / "wh").mkdir(parents=True)
-    (tmp_path / "folder" / "wh" / "_locks").write_text("")
+    (tmp_path / "folder" / "wh" / "_internal").write_text("")
     (tmp_path / "afile").write_text("")
     names = {"f": str(tmp_path / "afile"), "d": str(tmp_path / "folder")}
     with pytest.raises(ConfigurationError, match=error.format(**{k: re.escape(v) for k, v in names.items()})):

@@ -205,7 +205,7 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     assert cluster_read == local_read
     assert cluster_read.splitlines()[-1].startswith("-- 50 entries"), cluster_read[-500:]
     # Every lock of the cluster's run was a lease in the store, none a file on this host.
-    leases = {key.rsplit("/", 1)[1] for key in s3_store.keys("warehouse/_locks/")}
+    leases = {key.rsplit("/", 1)[1] for key in s3_store.keys("warehouse/_internal/locks/")}
     assert {"ledger_entries.lock", "transaction_buffer.lock", "txn_snapshot_writer.lock"} <= leases, leases
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from tests.rows import entry, write_jsonl
 from txn_engine.core.errors import InputFileError, TableMissingError
+from txn_engine.core.schema import TABLES
 from txn_engine.log.ingest import ingest_files
 from txn_engine.sql.models import discover_models, known_tables, load_model, referenced_tables, run_model
 
@@ -107,29 +108,63 @@ def _comparable(value):
         return round(float(value), 6)
     if isinstance(value, dt.datetime):
         return value.astimezone(dt.timezone.utc).replace(tzinfo=None) if value.tzinfo else value
+    if isinstance(value, dict):  # DuckDB's struct; Spark's is a Row, a tuple
+        value = tuple(value.values())
+    if isinstance(value, (list, tuple)):
+        return tuple(_comparable(v) for v in value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value)
     return value
+
+
+def _duckdb_over(warehouse, model, views):
+    """A DuckDB connection where the model's tables are the Delta tables (delta-rs's Arrow datasets)
+    and the views it reads are the views' SQL, as `run_model` sees them."""
+    import duckdb
+    from deltalake import DeltaTable
+
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")
+
+    def register(m):
+        for table in m.reads:
+            if table in views:
+                register(views[table])
+                con.execute(f"CREATE OR REPLACE VIEW {table} AS {views[table].sql}")
+            else:
+                con.register(table, DeltaTable(warehouse.path(table)).to_pyarrow_dataset())
+
+    register(model)
+    return con
 
 
 def test_every_shipped_model_gives_the_same_rows_in_spark_and_duckdb(prepared, monkeypatch):
     """The models are portable SQL: DuckDB, reading the same Delta tables through delta-rs's Arrow
     datasets, returns what Spark does, row for row and in order."""
-    import duckdb
-    from deltalake import DeltaTable
-
     monkeypatch.setenv("TZ", "UTC")
     warehouse = prepared("sql-models-offloaded", _offloaded_history)
     warehouse.spark.conf.set("spark.sql.session.timeZone", "UTC")
     compared = {}
-    for model in discover_models():
-        spark_rows = [tuple(_comparable(v) for v in row) for row in run_model(warehouse, model).collect()]
-        con = duckdb.connect()
-        con.execute("SET TimeZone = 'UTC'")
-        for table in model.reads:
-            con.register(table, DeltaTable(warehouse.path(table)).to_pyarrow_dataset())
+    models = discover_models()
+    views = {m.name: m for m in models if m.view}
+    for model in models:
+        result = run_model(warehouse, model)
+        # Each model returns the columns its spec declares (names and Spark types): what docs/tables.md shows.
+        assert [(f.name, f.dataType) for f in result.schema.fields] == [
+            (f.name, f.dataType) for f in TABLES[model.name].schema.fields], model.name
+        spark_rows = [tuple(_comparable(v) for v in row) for row in result.collect()]
+        con = _duckdb_over(warehouse, model, views)
         duck_rows = [tuple(_comparable(v) for v in row) for row in con.execute(model.sql).fetchall()]
         assert duck_rows == spark_rows, f"{model.name}: DuckDB and Spark differ"
         compared[model.name] = len(spark_rows)
         if model.name == "ledger_sizes":  # UTF-8 bytes of the keys (1 + 2 + 6 + 4) and payloads (0 + 1 + 2 + 3 + 4)
             assert [r[6] for r in spark_rows if r[:2] == ("w", 9)] == [13 + 10]
-    assert set(compared) == {"abort_rates", "ledger_sizes", "oldest_ongoing_txn", "tier_sizes", "topic_read_lag"}
+    assert set(compared) == {"abort_rates", "ledger_sizes", "oldest_ongoing_txn", "read_committed_entries", "tier_sizes",
+                             "topic_read_lag"}
     assert all(compared.values()), compared  # every model returned rows
+    # The view is what a read-committed reader sees now: committed_entries where in_stable_prefix.
+    view = run_model(warehouse, views["read_committed_entries"])
+    committed = warehouse.read("committed_entries")
+    assert 0 < view.count() < committed.count()
+    assert sorted(view.collect()) == sorted(committed.where("in_stable_prefix").drop("in_stable_prefix").collect())
+    assert view.columns == [c for c in committed.columns if c != "in_stable_prefix"]

@@ -15,11 +15,14 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from txn_engine.core.errors import ConfigurationError
+from txn_engine.core.schema import INTERNAL_FOLDER, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES, Place, table_place
 
 # What each folder setting is, as its errors name it.
 _WAREHOUSE = "the warehouse root (TXNLAKE_WAREHOUSE)"
 _COLD_TIER = "the offload tier root (TXNLAKE_COLD_TIER, default <warehouse>/cold)"
-_LOCK_DIR = "the writer lock folder (TXNLAKE_LOCK_DIR, default <warehouse>/_locks)"
+_LOCK_DIR = "the writer lock folder (TXNLAKE_LOCK_DIR, default <warehouse>/_internal/locks)"
+LOCKS_FOLDER = "locks"  # under the internal folder
+FORMER_TIER_TABLES = (OFFLOADED_ENTRIES, OFFLOAD_MANIFEST)  # at the tier's root before the split
 _ENDPOINT = "the object store's endpoint (TXNLAKE_S3_ENDPOINT)"
 
 # URI schemes of an S3 (or S3-compatible) store: delta-rs reads both, Spark maps both to S3A.
@@ -146,7 +149,7 @@ class WarehouseSettings(BaseSettings):
     lock_dir: str | None = Field(
         default=None,
         description="Where the writer locks live: a local folder (flock) or an s3:// prefix (leases with "
-        "expiry); default: <warehouse>/_locks for a local or S3 warehouse, ~/.cache/txnlake/locks otherwise.",
+        "expiry); default: <warehouse>/_internal/locks for a local or S3 warehouse, ~/.cache/txnlake/locks otherwise.",
     )
 
     lock_lease_seconds: float = Field(
@@ -239,8 +242,31 @@ class WarehouseSettings(BaseSettings):
         return self.warehouse
 
     def table_path(self, table: str) -> str:
-        """The location of a hot table: one folder per table under the root."""
+        """Where `table` lives, by its place (`schema.TABLES`): the analyst's tables one folder each
+        under the root, internal state under `<root>/_internal/`, the tier's data under the tier's root."""
+        place = table_place(table)
+        if place == Place.TIER:
+            return self.cold_table_path(table)
+        if place == Place.INTERNAL:
+            return _join(self.internal_root(), table)
         return _join(self.warehouse, table)
+
+    def former_table_path(self, table: str) -> str | None:
+        """Where a txnlake before the public/internal split kept `table` (every table under the root,
+        the offload manifest beside the tier's entries), when that is not where it lives now:
+        `txnlake migrate` moves it."""
+        former = self.cold_table_path(table) if table in FORMER_TIER_TABLES else _join(self.warehouse, table)
+        return None if former == self.table_path(table) else former
+
+    def former_lock_root(self) -> str | None:
+        """The lock folder a txnlake before the split used by default, when it is not the one in use."""
+        if self.lock_dir or not (is_local_uri(self.warehouse) or is_s3_uri(self.warehouse)):
+            return None
+        return _join(self.warehouse, "_locks")
+
+    def internal_root(self) -> str:
+        """The folder of the internal state: incremental runs, the engine's log, snapshots' state, locks."""
+        return _join(self.warehouse, INTERNAL_FOLDER)
 
     def cold_root(self) -> str:
         """The root of the cold (offload) tier."""
@@ -255,9 +281,9 @@ class WarehouseSettings(BaseSettings):
         if self.lock_dir:
             return _normalize_root(self.lock_dir, _LOCK_DIR)
         if is_local_uri(self.warehouse):
-            return str(Path(_local_path(self.warehouse)) / "_locks")
+            return str(Path(_local_path(self.warehouse)) / INTERNAL_FOLDER / LOCKS_FOLDER)
         if is_s3_uri(self.warehouse):
-            return _join(self.warehouse, "_locks")
+            return _join(self.internal_root(), LOCKS_FOLDER)
         return str(Path.home() / ".cache" / "txnlake" / "locks")
 
     def lock_path(self, name: str) -> str:

@@ -75,7 +75,7 @@ from txn_engine.core.settings import WarehouseSettings
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.s3 import arrow_filesystem
-from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
+from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
 
 # Rows per file ingest writes (about 18 MB of generated entries).
 ROWS_PER_FILE = 1_000_000
@@ -809,7 +809,8 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 if in_position_order:
                     new_rows = new_rows.unionByName(new.where(~F.col("_compared")).select(*columns))
                 retry_delta_conflicts(
-                    lambda: new_rows.write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+                    lambda: stored_frame(LEDGER_ENTRIES, new_rows).write.format("delta").mode("append").save(
+                        warehouse.path(LEDGER_ENTRIES))
                 )
             if appended_to:
                 summary.entry_id_gaps = entry_id_gaps(warehouse, appended_to)
@@ -850,4 +851,4 @@ def _write_quarantine(warehouse: Warehouse, classified: DataFrame, ingest_id: st
         key = ["source_file", "line", "rule"]
         fresh = rows.dropDuplicates(key).join(stored.select(*key, F.col("raw").alias("_raw")), key, "left")
         fresh = fresh.filter(F.col("_raw").isNull() | ~F.col("_raw").eqNullSafe(F.col("raw"))).drop("_raw")
-        retry_delta_conflicts(lambda: fresh.write.format("delta").mode("append").save(path))
+        retry_delta_conflicts(lambda: stored_frame(QUARANTINE_ENTRIES, fresh).write.format("delta").mode("append").save(path))

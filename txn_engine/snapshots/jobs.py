@@ -47,7 +47,7 @@ from txn_engine.core.schema import (
 )
 from txn_engine.snapshots.index import BAD_REASON, RULE_COLUMNS, bad_row_reasons_of, part_numbers
 from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
-from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts
+from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
 
 # Columns the buffer kernel never reads (NARROW_COLUMNS are the ones it does).
 UNUSED_BY_REPLAY = tuple(c for c in LEDGER_ENTRY_COLUMNS if c not in NARROW_COLUMNS)
@@ -267,7 +267,7 @@ def _append_with_write_seq(warehouse: Warehouse, rows: DataFrame) -> int:
         in_write_order = Window.orderBy("topic", "segment_index", "snapshot_key")  # few rows: one partition is fine
         numbered = rows.withColumn("write_seq", F.row_number().over(in_write_order) + F.lit(base))
         stamped = conform(numbered.withColumn("written_at", F.current_timestamp()), TXN_SNAPSHOT_SEGMENTS_SCHEMA)
-        retry_delta_conflicts(lambda: stamped.write.format("delta").mode("append").save(warehouse.path(table)))
+        retry_delta_conflicts(lambda: stored_frame(table, stamped).write.format("delta").mode("append").save(warehouse.path(table)))
     return n
 
 
@@ -364,7 +364,7 @@ def compact_segments(
         if before_commit:
             before_commit()
         if after != before:
-            retry_delta_conflicts(lambda: kept.write.format("delta").mode("overwrite").save(path))
+            retry_delta_conflicts(lambda: stored_frame(table, kept).write.format("delta").mode("overwrite").save(path))
     tables = DeltaTables(warehouse)
     if optimize:  # no row changes (dataChange=false): a concurrent snapshot write keeps its rows
         tables.compact(table, SEGMENTS_FILE_BYTES)

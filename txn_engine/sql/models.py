@@ -29,6 +29,10 @@ def sql_dir() -> Path:
     return Path(os.environ.get("TXNLAKE_SQL_DIR", DEFAULT_SQL_DIR))
 
 
+# A model's line saying it is a view: a named query the other models and `txnlake sql` read, not stored.
+VIEW_MARKER = "-- materialized: view"
+
+
 @dataclass(frozen=True)
 class SqlModel:
     name: str
@@ -36,6 +40,7 @@ class SqlModel:
     sql: str
     reads: tuple[str, ...]
     description: str
+    view: bool = False
 
 
 def referenced_tables(sql: str) -> tuple[str, ...]:
@@ -60,13 +65,15 @@ def load_model(path: Path) -> SqlModel:
     if not path.is_file():
         raise InputFileError(f"SQL model {path} does not exist")
     sql = path.read_text()
-    comments = [line[2:].strip() for line in sql.splitlines() if line.startswith("--")]
+    lines = sql.splitlines()
+    comments = [line[2:].strip() for line in lines if line.startswith("--") and line.strip() != VIEW_MARKER]
     return SqlModel(
         name=path.stem,
         path=path,
         sql=sql.strip().rstrip(";"),
         reads=referenced_tables(sql),
         description=" ".join(comments) or f"SQL model {path.name}",
+        view=any(line.strip() == VIEW_MARKER for line in lines),
     )
 
 
@@ -75,11 +82,32 @@ def discover_models(folder: Path | None = None) -> list[SqlModel]:
     return [load_model(p) for p in sorted(Path(folder).glob("*.sql"))]
 
 
+def views(folder: Path | None = None) -> dict[str, SqlModel]:
+    """The models that are views, by name."""
+    return {m.name: m for m in discover_models(folder) if m.view}
+
+
+def upstream_tables(model: SqlModel, named_views: dict[str, SqlModel] | None = None) -> tuple[str, ...]:
+    """What a model depends on: the tables it reads, and through each view it reads, the view's own."""
+    named_views = views() if named_views is None else named_views
+    found: set[str] = set()
+
+    def add(tables: tuple[str, ...]) -> None:
+        for table in tables:
+            if table not in found:
+                found.add(table)
+                if table in named_views:
+                    add(named_views[table].reads)
+
+    add(model.reads)
+    return tuple(sorted(found))
+
+
 def known_tables() -> tuple[str, ...]:
-    """The tables txnlake writes, sorted: the contract's and the models' own (one per `*.sql`)."""
-    # schema.py names every table once, as an upper-case string constant (its only strings).
-    contract = {v for k, v in vars(schema).items() if k.isupper() and isinstance(v, str)}
-    return tuple(sorted(contract | {p.stem for p in sql_dir().glob("*.sql")}))
+    """The tables txnlake writes, sorted: the contract's and the models' own (one per `*.sql` but views)."""
+    named_views = set(views())
+    stored = {name for name, spec in schema.TABLES.items() if spec.kind != schema.Kind.VIEW}
+    return tuple(sorted(stored | {p.stem for p in sql_dir().glob("*.sql")} - named_views))
 
 
 # Tables first written when something happens (a ledger offloaded, deleted, a state recorded): until
@@ -90,22 +118,18 @@ EMPTY_UNTIL_WRITTEN = {
     schema.DELETED_LEDGERS: schema.DELETED_LEDGERS_SCHEMA,
     schema.LEDGER_STATES_LOG: schema.LEDGER_STATES_SCHEMA,
 }
-# What writes the tables `txnlake run` does not (the rest: `txnlake run`).
-WRITTEN_BY = {
-    schema.LEDGER_ENTRIES: "`txnlake ingest` or the transaction engine",
-    schema.QUARANTINE_ENTRIES: "`txnlake ingest`",
-    schema.TXN_LOG: "the transaction engine (`txnlake demo`, or producers through it)",
-    schema.CONSUMER_OFFSETS: "the transaction engine (`txnlake demo`, or producers through it)",
-    schema.TXN_SNAPSHOT_SEGMENTS: "`txnlake snapshot`",
-    schema.TXN_SNAPSHOT_STATE: "`txnlake snapshot`",
-    schema.RECOVERED_BUFFER_STATE: "`txnlake snapshot`",
-    "tier_sizes": "`txnlake offload`",
-}
 
 
-def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
-    """The model's result as a DataFrame over the current Delta tables."""
+def register_reads(warehouse: Warehouse, model: SqlModel, named_views: dict[str, SqlModel] | None = None) -> None:
+    """Make each table the model reads a temporary view of its Delta table, and each view it reads
+    the view's query (over its own tables, registered the same way)."""
+    named_views = views() if named_views is None else named_views
     for table in model.reads:
+        if table in named_views:
+            view = named_views[table]
+            register_reads(warehouse, view, named_views)
+            warehouse.spark.sql(view.sql).createOrReplaceTempView(table)
+            continue
         location = warehouse.path(table)
         if table in EMPTY_UNTIL_WRITTEN:
             warehouse.read_or_empty(table, EMPTY_UNTIL_WRITTEN[table], location).createOrReplaceTempView(table)
@@ -115,14 +139,20 @@ def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
             continue
         known = known_tables()
         if table in known:
+            spec = schema.table_spec(table)
             raise TableMissingError(
                 f"SQL model {model.name} reads table {table}, which does not exist yet at "
-                f"{location}; write it first ({WRITTEN_BY.get(table, '`txnlake run`')})."
+                f"{location}; write it first ({spec.written_by if spec else '`txnlake run`'})."
             )
         raise InputFileError(
             f"SQL model {model.name} ({model.path}) reads table {table}, which is not a txnlake table "
             f"(nor a Delta table at {location}). Fix the table name; the tables are: {', '.join(known)}."
         )
+
+
+def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
+    """The model's result as a DataFrame over the current Delta tables."""
+    register_reads(warehouse, model)
     try:
         return warehouse.spark.sql(model.sql)
     # Also ParseException: Spark's parser is stricter than sqlglot's. Spark's first line is the

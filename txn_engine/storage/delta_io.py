@@ -30,6 +30,7 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
+from txn_engine.core.schema import TXN_HALVES, TXN_ID, stored_schema
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.warehouse import Warehouse, require_current_columns, retry_delta_conflicts
 
@@ -169,6 +170,40 @@ MAINTENANCE_OPERATIONS = ("VACUUM START", "VACUUM END", "OPTIMIZE")
 def version_key(table: str) -> str:
     """The commit metadata key of `table`'s version in `DeltaTables.versions`."""
     return f"{table}_version"
+
+
+def txn_id_array(data: pa.Table) -> pa.Array | pa.ChunkedArray:
+    """`schema.TXN_ID_SQL` over Arrow: "most:least", null when either half is."""
+    most, least = (pc.cast(data[c], pa.string()) for c in TXN_HALVES)
+    return pc.binary_join_element_wise(most, least, ":")
+
+
+def stored_arrow(table: str, data: pa.Table) -> pa.Table:
+    """`data` as `table` stores it, as `warehouse.stored_frame` does for Spark: the table's column
+    order, each column described (field metadata `comment`), `txn_id` from the two halves."""
+    stored = stored_schema(table)
+    if stored is None:
+        return data
+    present = set(data.column_names)
+    with_halves = set(TXN_HALVES) <= present
+    fields, columns = [], []
+    for field in stored.fields:
+        if field.name == TXN_ID and with_halves:
+            column = txn_id_array(data)
+        elif field.name in present:
+            column = data[field.name]
+        else:
+            continue
+        kind = data.schema.field(field.name).type if field.name in present and field.name != TXN_ID else column.type
+        nullable = data.schema.field(field.name).nullable if field.name in present and field.name != TXN_ID else True
+        fields.append(pa.field(field.name, kind, nullable, metadata=field.metadata))
+        columns.append(column)
+    named = set(stored.fieldNames())
+    for name in data.column_names:
+        if name not in named:
+            fields.append(data.schema.field(name))
+            columns.append(data[name])
+    return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
 class DeltaTables:
@@ -392,6 +427,7 @@ class DeltaTables:
         data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows), schema=arrow_schema(schema))
         if data.num_rows == 0:
             return 0
+        data = stored_arrow(table, data)
         started = time.perf_counter()
         with self.warehouse.writer(table):
             retry_delta_conflicts(lambda: self._write(table, data))
@@ -416,6 +452,7 @@ class DeltaTables:
         data = data.select(schema.fieldNames())
         if data.schema != target:
             data = data.cast(target)
+        data = stored_arrow(table, data)
         path = self.warehouse.path(table)
         options = self.warehouse.storage_options(path)
         properties = CommitProperties(custom_metadata=commit_metadata) if commit_metadata else None

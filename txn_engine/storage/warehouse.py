@@ -20,13 +20,14 @@ from delta.exceptions import (
 import deltalake
 from delta.tables import DeltaTable
 from deltalake.exceptions import CommitFailedError
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from txn_engine.core.errors import TableMissingError, TxnlakeError, WarehouseMigrationError
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.locks import writer_lock
-from txn_engine.core.schema import COLD_TABLES, ENTRY_TABLES, LOSSLESS_COLUMNS
+from txn_engine.core.schema import ADDED_COLUMNS, TXN_HALVES, TXN_ID, stored_schema
 from txn_engine.core.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,7 @@ class Warehouse:
         return self._spark
 
     def path(self, table: str) -> str:
-        """Where `table` lives: the cold tier for the offload tables, the warehouse root otherwise."""
-        if table in COLD_TABLES:
-            return self.settings.cold_table_path(table)
+        """Where `table` lives (`WarehouseSettings.table_path`: by the table's place)."""
         return self.settings.table_path(table)
 
     def storage_options(self, location: str) -> dict[str, str] | None:
@@ -129,7 +128,8 @@ class Warehouse:
     def append(self, table: str, df: DataFrame, path: str | None = None) -> None:
         location = path or self.path(table)
         with self.writer(table):
-            retry_delta_conflicts(lambda: df.write.format("delta").mode("append").save(location))
+            stored = stored_frame(table, df)
+            retry_delta_conflicts(lambda: stored.write.format("delta").mode("append").save(location))
 
     def overwrite(
         self,
@@ -144,7 +144,7 @@ class Warehouse:
         `DeltaTables.last_commit` reads it back)."""
         location = path or self.path(table)
         with self.writer(table):
-            writer = df.write.format("delta").mode("overwrite")
+            writer = stored_frame(table, df).write.format("delta").mode("overwrite")
             if commit_metadata:
                 writer = writer.option("userMetadata", json.dumps(commit_metadata, sort_keys=True))
             if replace_where is not None and self.exists(table, location):
@@ -162,17 +162,43 @@ class Warehouse:
 
 
 def require_current_columns(table: str, columns: list[str], location: str) -> None:
-    """Refuse an entry table written before the columns the contract added since: reading or
-    appending it would fail deep inside a job, or drop the new columns' values."""
-    if table not in ENTRY_TABLES:
-        return
-    missing = [c for c in LOSSLESS_COLUMNS if c not in columns]
+    """Refuse a table written before columns the contract added since (`schema.ADDED_COLUMNS`):
+    reading or appending it would fail deep inside a job, or drop the new columns' values."""
+    # txn_id is owed only beside the two halves it is made of.
+    owed = [c for c in ADDED_COLUMNS.get(table, ()) if c != TXN_ID or set(TXN_HALVES) <= set(columns)]
+    missing = [c for c in owed if c not in columns]
     if missing:
         raise WarehouseMigrationError(
-            f"{table} at {location} has no column(s) {', '.join(missing)}: it was written before they were added "
-            "(lossless keys, headers and timestamp types). Run `txnlake migrate` once: it adds them to every "
-            "table of entries, empty for the rows stored, and changes nothing else."
+            f"{table} at {location} has no column(s) {', '.join(missing)}: it was written by an older txnlake. "
+            "Run `txnlake migrate` once: it adds them (empty for the lossless keys, headers and timestamp types; "
+            "txn_id from the two halves) and changes no stored value."
         )
+
+
+def txn_id_column() -> Column:
+    """`schema.TXN_ID_SQL` as a Spark column: "most:least", null when either half is (CONCAT's rule)."""
+    return F.concat(F.col(TXN_HALVES[0]).cast("string"), F.lit(":"), F.col(TXN_HALVES[1]).cast("string"))
+
+
+def stored_frame(table: str, frame: DataFrame) -> DataFrame:
+    """`frame` as `table` stores it (`schema.stored_schema`): its columns in the table's order, each
+    with its description (Delta's column comment), and the readable `txn_id` computed from the two
+    halves where the table has it. A column the frame lacks stays absent; one the table does not
+    name is kept last. A projection: no Spark job."""
+    stored = stored_schema(table)
+    if stored is None:
+        return frame
+    present = set(frame.columns)
+    with_halves = set(TXN_HALVES) <= present
+    columns = []
+    for field in stored.fields:
+        if field.name == TXN_ID and with_halves:
+            columns.append(txn_id_column().alias(TXN_ID, metadata=field.metadata))
+        elif field.name in present:
+            columns.append(F.col(f"`{field.name}`").alias(field.name, metadata=field.metadata))
+    named = set(stored.fieldNames())
+    columns += [F.col(f"`{c}`") for c in frame.columns if c not in named]
+    return frame.select(*columns)
 
 
 def retry_delta_conflicts(action: Callable[[], T], attempts: int = 5) -> T:

@@ -175,7 +175,7 @@ def row_hash() -> Column:
 
 def checksum_of(hashes: Column) -> Column:
     """The order-independent checksum of the rows whose `row_hash()` values these are (nulls skipped):
-    their exact sum, as a decimal string.
+    their sum modulo 2^64, as 16 lower-case hex digits (`EMPTY_CHECKSUM` for none).
 
     Summed as two longs, the signed high and the unsigned low 32 bits of each hash (exact up to
     2^31 rows a group), then combined once per group: the same value as summing the hashes as
@@ -184,7 +184,18 @@ def checksum_of(hashes: Column) -> Column:
     """
     high = F.coalesce(F.sum(F.shiftright(hashes, 32)), F.lit(0)).cast("decimal(38,0)")
     low = F.coalesce(F.sum(hashes.bitwiseAND(F.lit(0xFFFFFFFF))), F.lit(0)).cast("decimal(38,0)")
-    return (high * F.lit(1 << 32).cast("decimal(38,0)") + low).cast("decimal(38,0)").cast("string")
+    total = (high * F.lit(1 << 32).cast("decimal(38,0)") + low).cast("decimal(38,0)")
+    return checksum_hex(total)
+
+
+# The checksum of no rows.
+EMPTY_CHECKSUM = "0" * 16
+
+
+def checksum_hex(total: Column) -> Column:
+    """An exact sum of 64-bit hashes (a decimal) as the manifest's checksum: modulo 2^64, 16 hex digits."""
+    wrapped = F.pmod(total, F.lit(str(1 << 64)).cast("decimal(38,0)")).cast("decimal(20,0)").cast("string")
+    return F.lpad(F.lower(F.conv(wrapped, 10, 16)), 16, "0")
 
 
 def content_checksum() -> Column:
@@ -534,7 +545,7 @@ class _Copy:
         for key in self.targets:
             range_ = self.ranges[key]
             drop = drops.get(key, none_dropped)
-            kept_row = kept.get(key) or {"entries_kept": 0, "bytes_after": 0, "checksum": "0"}
+            kept_row = kept.get(key) or {"entries_kept": 0, "bytes_after": 0, "checksum": EMPTY_CHECKSUM}
             entries_kept = kept_row["entries_kept"]
             if not drop["kept_at_least"] <= entries_kept <= drop["kept_at_most"] or drop["entries_before"] != range_["entry_count"]:
                 raise OffloadStateError(
