@@ -38,9 +38,7 @@ from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES
 from txn_engine.core.schema import (
     ABORTED_TXNS,
-    BUFFER_DUPLICATES,
     BUFFER_LEDGER_TXNS,
-    BUFFER_LEDGER_TXNS_SCHEMA,
     BUFFER_PENDING_ENTRIES,
     BUFFER_SEQUENCE_RANGES,
     COMMITTED_ENTRIES,
@@ -186,35 +184,13 @@ def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 
 
-def facts_of_log(entries: DataFrame) -> BufferTables:
-    """The narrow `BufferTables` of `entries` (ledger_entries rows): the kernel's full run."""
-    return BufferTables(decide_full(entries))
-
-
-def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
-    topic = key[0].as_py()
-    txns = kernel.txns_from_ledger_txns(kernel.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
-    last = ledger_txns.group_by(["ledger_id"], use_threads=False).aggregate([("last_entry_id", "max")])
-    ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["last_entry_id_max"].to_pylist())]
-    return _as_union({TXN_MARKERS: kernel.markers_from_txns(txns),
-                      STABLE_POSITIONS: kernel.stable_positions(txns, ledgers)}, OUTPUT_SCHEMA, topic)
-
-
-def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> BufferTables:
-    """The markers, stable positions and duplicates (`BufferTables`) folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
-    topic) and the `buffer_duplicates` of the same log."""
-    folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
-    duplicate_rows = _union_rows(duplicates, BUFFER_DUPLICATES, DECISION_SCHEMAS)
-    return BufferTables(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
-
-
 @dataclass
 class BufferTables:
     """The buffer's tables of a whole log by the kernel on Spark, computed once when first read;
-    `unpersist()` when done. `entries` (the log's full rows) only for `committed_entries`."""
+    `unpersist()` when done. `entries`: the log's full rows, for `committed_entries`."""
 
     decided: SparkDecisions
-    entries: DataFrame | None = None
+    entries: DataFrame
 
     @property
     def txn_markers(self) -> DataFrame:
@@ -227,16 +203,6 @@ class BufferTables:
     @property
     def stable_positions(self) -> DataFrame:
         return self.decided.table(STABLE_POSITIONS)
-
-    @property
-    def duplicates(self) -> DataFrame:
-        return self.decided.table(BUFFER_DUPLICATES)
-
-    @property
-    def txns(self) -> DataFrame:
-        """The decided transactions: the first marker's outcome, `marker_ledger_id`, `marker_entry_id`."""
-        return self.txn_markers.withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
-            "entry_id", "marker_entry_id")
 
     @property
     def committed_entries(self) -> DataFrame:
@@ -284,13 +250,14 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
 
 
-def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
+def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
     """`committed_entries`: the full `rows` the kernel decided visible, with its decisions, looked
-    up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id."""
+    up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id; the segments
+    broadcast while they fit `broadcast_max_bytes`, else joined by shuffle."""
     segments = decided.table(VISIBLE)
     # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
     size = segments.agg(F.sum(F.size("codes") * 8 + F.size("targets") * 16 + NARROW_ROW_BYTES)).first()[0] or 0
-    if size <= BROADCAST_MAX_BYTES:
+    if size <= broadcast_max_bytes:
         segments = F.broadcast(segments)
     joined = rows.join(segments, ["topic", "ledger_id"]).where(F.col("entry_id").between(F.col("first_entry_id"), F.col("last_entry_id")))
     code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
