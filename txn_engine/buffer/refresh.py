@@ -501,9 +501,9 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFram
         if isinstance(frame, pa.Table):
             DeltaTables(wh).overwrite(table, frame, TABLE_SCHEMAS[table], where(True), commit_metadata)
         elif by_driver(table, frame):
-            overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata)
+            overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata, schema=TABLE_SCHEMAS[table])
         else:
-            wh.overwrite(table, frame, replace_where=where(False), commit_metadata=commit_metadata)
+            wh.overwrite(table, frame, replace_where=where(False), commit_metadata=commit_metadata, schema=TABLE_SCHEMAS[table])
         if after_write:
             after_write(table)
 
