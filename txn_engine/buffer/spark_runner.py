@@ -34,7 +34,7 @@ from txn_engine.buffer.kernel import (
     ScopeTables,
     require_ledger_entries,
 )
-from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema, local_frame
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -275,19 +275,51 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
     return conform(decided_rows, COMMITTED_ENTRIES_SCHEMA)
 
 
-def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None) -> dict[str, DataFrame]:
+# The decisions without entry rows (a row per transaction and ledger at most), the rows to keep
+# pending, and the violation counts: what `collect_narrow` brings to the driver in one job.
+SMALL_KINDS = (*NARROW_TABLES, PENDING, "violations")
+
+
+def collect_narrow(decided: SparkDecisions, max_bytes: int) -> dict[str, pa.Table] | None:
+    """`SMALL_KINDS` as Arrow tables (the narrow tables in their schemas), collected in one Spark
+    job when together they fit `max_bytes` (`NARROW_ROW_BYTES` a row), else None: one count and one
+    collect instead of a count and a collect per table."""
+    if max_bytes < NARROW_ROW_BYTES:
+        return None
+    rows = decided.frame.where(F.col("kind").isin(list(SMALL_KINDS)))
+    if rows.count() * NARROW_ROW_BYTES > max_bytes:
+        return None
+    union = rows.select("kind", *SMALL_KINDS).toArrow()
+    small = {name: _of_kind(union, name) for name in SMALL_KINDS}
+    return {name: kernel.conform(table, TABLE_SCHEMAS[name]) if name in NARROW_TABLES else table
+            for name, table in small.items()}
+
+
+def violations_of(small: Mapping[str, pa.Table]) -> dict[str, int]:
+    """The violation totals of collected decisions (`collect_narrow`)."""
+    counts = small["violations"]
+    return {v: int(pc.sum(counts[v]).as_py() or 0) for v in VIOLATIONS}
+
+
+def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None,
+                small: Mapping[str, pa.Table] | None = None) -> dict[str, DataFrame | pa.Table]:
     """Every table of the run: the kernel's narrow tables, and the full rows it decided on joined in.
 
     `entries`: the scope's full rows; `pending_rows`: the stored pending rows of older ledgers a
-    commit in the scope can make visible (full rows; None for a run with no state)."""
-    tables = {name: decided.table(name) for name in NARROW_TABLES}
+    commit in the scope can make visible (full rows; None for a run with no state); `small`: the
+    narrow decisions when collected (`collect_narrow`), which are then returned as Arrow."""
+    tables = {name: small[name] if small else decided.table(name) for name in NARROW_TABLES}
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
     tables[COMMITTED_ENTRIES] = committed_rows(decided, rows)
     # Only the ledgers that hold pending rows are read again.
-    pending = decided.table(PENDING)
-    ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
+    if small:
+        pending = local_frame(entries.sparkSession, small[PENDING], DECISION_SCHEMAS[PENDING])
+        ledgers = sorted(set(small[PENDING]["ledger_id"].to_pylist()))
+    else:
+        pending = decided.table(PENDING)
+        ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
     tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
         *LEDGER_ENTRY_COLUMNS).join(pending, list(POSITION_COLUMNS), "left_semi")
     return tables
