@@ -404,7 +404,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     full = kept_state is None
     pending_rows = None
     if full:
-        decided = spark_runner.decide_full(entries)
+        decided = spark_runner.decide_full(entries, topics={t for t, _, _ in plan.last_entries})
     else:
         stable_at = {r.topic: r.max_read_ledger_id for r in old_stable}
         reads = spark_runner.state_reads(kept_state, entries, stable_at)

@@ -12,6 +12,7 @@ column per table (null in the rows of the others), split again by `kind`.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -176,10 +177,36 @@ class SparkDecisions:
         self.frame.unpersist()
 
 
-def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
+def spread_topics(narrow: DataFrame, topics: Iterable[str]) -> DataFrame:
+    """`narrow` hash-partitioned by topic into the fewest partitions (from one per topic up) in
+    which no two of `topics` share one, so the kernel's groups run on as many cores as there are
+    topics: by the shuffle's default partitions, topics land in one task together (and adaptive
+    execution coalesces small ones). Past `SPREAD_MAX_PARTITIONS` a partitioning with the fewest
+    topics in one partition is taken. Spark computes the topics' hashes (a local projection)."""
+    names = sorted(set(topics))
+    if len(names) < 2:
+        return narrow
+    spark = narrow.sparkSession
+    hashes = [r[0] for r in local_frame(spark, [(t,) for t in names], "topic string").select(F.hash("topic")).collect()]
+
+    def most_in_one(n: int) -> int:  # Spark's partition: pmod(hash, n), as Python's % for n > 0
+        return max(Counter(h % n for h in hashes).values())
+
+    candidates = range(len(names), max(len(names), SPREAD_MAX_PARTITIONS) + 1)
+    n = next((n for n in candidates if most_in_one(n) == 1), None) or min(candidates, key=lambda n: (most_in_one(n), n))
+    return narrow.repartition(n, "topic")
+
+
+SPREAD_MAX_PARTITIONS = 64  # most of them empty: an empty task costs milliseconds
+
+
+def decide_full(entries: DataFrame, persist: bool = True, topics: Iterable[str] | None = None) -> SparkDecisions:
     """The kernel over every topic of `entries` (ledger_entries rows), with no state; `persist`:
-    computed once for all the tables read (else each read of a table runs it again)."""
+    computed once for all the tables read (else each read of a table runs it again); `topics`: the
+    log's (from the catalog), to give each a partition of its own (`spread_topics`)."""
     narrow = entries.select(*NARROW_COLUMNS)
+    if topics is not None:
+        narrow = spread_topics(narrow, topics)
     decided = narrow.groupBy("topic").applyInArrow(_full_run, OUTPUT_SCHEMA)
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 

@@ -243,7 +243,8 @@ def offload_ledgers(
     state_version = _state_version(wh, catalog_now)
     recorded = None if state_version is None else _recorded_tables(wh, state_version)
     # Without the recorded tables of a state that describes this log, the kernel decides the log.
-    decided = LogDecisions(entries, decide_full(entries), broadcast_max_bytes) if recorded is None else None
+    decided = LogDecisions(entries, decide_full(entries, topics={r["topic"] for r in catalog_rows}), broadcast_max_bytes) \
+        if recorded is None else None
     source = recorded or decided
     stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA) if recorded is not None \
         else decided.decided.table(STABLE_POSITIONS)
