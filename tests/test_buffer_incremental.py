@@ -29,6 +29,7 @@ from tests.buffer_histories import (
     plain,
     rows_by_topic,
 )
+from txn_engine.buffer.kernel import TABLE_SCHEMAS
 from txn_engine.buffer.refresh import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.log.ledgers import derive_ledger_catalog
@@ -288,6 +289,10 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     committed = warehouse.read(COMMITTED_ENTRIES).filter("topic = 'a'").orderBy("visible_ledger_id", "visible_entry_id", "local_seq")
     assert [(r.ledger_id, r.entry_id, r.local_seq, r.in_stable_prefix) for r in committed.collect()] == [
         (1, 2, 0, True), (1, 0, 0, True), (3, 1, 1, True)]
+    # Either way every table keeps its schema's NOT NULL columns (Spark computes its frames' as nullable).
+    for table in (*TABLES, *STATE_TABLES):
+        columns = lambda schema: [(f.name, f.dataType, f.nullable) for f in schema.fields]  # noqa: E731
+        assert columns(warehouse.read(table).schema) == columns(TABLE_SCHEMAS[table]), table
 
 
 def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark, warehouse):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.offload_history import COMMIT_D, HISTORY
+from tests.offload_history import COMMIT_D, HISTORY, oracle_read
 from tests.rows import entry, write_jsonl
 from tests.buffer_histories import planned_joins
 from deltalake import DeltaTable
@@ -17,7 +17,7 @@ from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer.kernel import TXN_KEY
 from txn_engine.buffer.refresh import ledger_inventory, recorded_version_key, refresh_buffer
 from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES
-from txn_engine.buffer.spark_runner import facts_of_log
+from txn_engine.buffer.spark_runner import committed_rows, compute_buffer_tables, decide_full
 from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.tier.offload import (
     AFTER_ENTRIES,
@@ -27,14 +27,11 @@ from txn_engine.tier.offload import (
     OFFLOAD_STEPS,
     TIER_CLEAN_AT,
     OffloadStateError,
-    _facts_from_state,
     _recorded_tables,
     _state_version,
     EMPTY_CHECKSUM,
     checksum_of,
-    classify_for_offload,
     content_checksum,
-    decided_txns,
     offload_ledgers,
 )
 from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
@@ -42,6 +39,7 @@ from txn_engine.core.schema import (
     BUFFER_LEDGER_TXNS,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
+    LEDGER_ENTRY_COLUMNS,
     LEDGER_STATES_LOG,
     OFFLOAD_MANIFEST,
     OFFLOADED_ENTRIES,
@@ -123,23 +121,23 @@ def test_eligibility_filtered_copy_and_manifest(history, tmp_path, broadcast_max
     assert warehouse.read(LEDGER_ENTRIES).count() == len(HISTORY)
 
 
-def test_decided_transactions_past_the_broadcast_bound_are_joined_by_shuffle(history, spark):
-    warehouse = history
-    entries = warehouse.read(LEDGER_ENTRIES)
-    facts = facts_of_log(entries)
+def test_the_kernels_decisions_past_the_broadcast_bound_are_joined_by_shuffle(history, spark):
+    # Deciding from the log, the offload picks the rows the kernel decides visible (`committed_rows`):
+    # its decisions are broadcast to the rows below the bound, joined by shuffle past it.
+    entries = history.read(LEDGER_ENTRIES).select(*LEDGER_ENTRY_COLUMNS)
+    decided = decide_full(entries)
     try:
-        below = classify_for_offload(entries, decided_txns(facts.txns), facts.duplicates)
-        past = classify_for_offload(entries, decided_txns(facts.txns, broadcast_max_bytes=0), facts.duplicates)
-        # The duplicates are broadcast either way; the decided transactions only below the bound.
-        assert planned_joins(spark, below) == ["BroadcastHashJoin", "BroadcastHashJoin"]
-        assert planned_joins(spark, past) == ["SortMergeJoin", "BroadcastHashJoin"]
-        disposition = lambda frame: {(r.topic, r.ledger_id, r.entry_id): r.disposition for r in frame.collect()}  # noqa: E731
-        by_shuffle = disposition(past)
-        assert by_shuffle == disposition(below)
-        assert len(by_shuffle) == len(HISTORY)
-        assert set(by_shuffle.values()) >= {"KEPT", "ABORTED", "MARKER"}
+        below = committed_rows(decided, entries)
+        past = committed_rows(decided, entries, broadcast_max_bytes=0)
+        assert planned_joins(spark, below) == ["BroadcastHashJoin"]
+        assert planned_joins(spark, past) == ["SortMergeJoin"]
+        by_shuffle = rows_of(past)
+        assert by_shuffle == rows_of(below)
+        for topic in ("t", "u", "v"):
+            readable = sorted((r.ledger_id, r.entry_id) for r in past.where((F.col("topic") == topic) & F.col("in_stable_prefix")).collect())
+            assert readable == oracle_read(HISTORY, topic)
     finally:
-        facts.unpersist()
+        decided.unpersist()
 
 
 def test_checksum_is_the_sum_of_the_row_hashes_in_hex(spark):
@@ -217,14 +215,14 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     catalog = current_ledger_catalog(warehouse, entries)
     state_version = _state_version(warehouse, catalog)
     assert state_version == warehouse.version(BUFFER_LEDGER_TXNS)  # the state describes this log
-    from_state = _facts_from_state(warehouse, state_version)
     # The buffer recorded the versions its run left of the tables the offload reads: they are the
     # tables of this log (the kept rows come from committed_entries, eligibility from stable_positions).
     recorded = _recorded_tables(warehouse, state_version)
     assert rows_of(recorded.committed) == rows_of(warehouse.read(COMMITTED_ENTRIES))
     assert recorded.versions == {t: warehouse.version(t) for t in (TXN_MARKERS, COMMITTED_ENTRIES, STABLE_POSITIONS)}
-    from_log = facts_of_log(entries)
+    from_log = compute_buffer_tables(entries)
     assert sorted(tuple(r.values()) for r in recorded.stable_rows) == rows_of(from_log.stable_positions)
+    from_log.unpersist()
     # The state's rows of the ledgers asked for, and the markers of their transactions only.
     state, markers = recorded.state_of([("w", 20)])
     assert set(state["ledger_id"].to_pylist()) == {20} and set(state["topic"].to_pylist()) == {"w"}
@@ -233,12 +231,6 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     every_marker = rows_of(warehouse.read(TXN_MARKERS).select(*columns))
     assert sorted(zip(*(markers[c].to_pylist() for c in columns))) == [r for r in every_marker if r[:3] in txns]
     assert 0 < markers.num_rows < len(every_marker)
-    # The same facts: transactions, duplicates, ledger ends, and so the same stable positions.
-    assert rows_of(from_state.txns) == rows_of(from_log.txns.select(*from_state.txns.columns))
-    assert rows_of(from_state.duplicates) == rows_of(from_log.duplicates)
-    assert rows_of(from_state.stable_positions) == rows_of(from_log.stable_positions)
-    for facts in (from_state, from_log):
-        facts.unpersist()
 
     by_state = offload_ledgers(warehouse)
     assert (by_state.facts_from, by_state.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
@@ -389,10 +381,10 @@ def test_a_buffer_state_written_by_older_code_is_rebuilt_and_meanwhile_the_log_d
     assert rebuilt.full and "duplicate_count" in warehouse.read(BUFFER_LEDGER_TXNS).columns
     again = offload_ledgers(warehouse, ledger_ids=[2])
     assert (again.facts_from, again.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
-    # A state with every column but no recorded versions: facts from the state, rows classified from the log.
+    # A state with every column but no recorded versions: the kernel decides the log again.
     warehouse.overwrite(BUFFER_LEDGER_TXNS, warehouse.read(BUFFER_LEDGER_TXNS).localCheckpoint())
     last = offload_ledgers(warehouse)
-    assert (last.facts_from, last.kept_from) == (FROM_BUFFER_STATE, FROM_LEDGER_ENTRIES)
+    assert (last.facts_from, last.kept_from) == (FROM_LEDGER_ENTRIES, FROM_LEDGER_ENTRIES)
     assert sorted(again.offloaded + last.offloaded) == [("t", 2), ("t", 3), ("u", 5)]
 
 

@@ -9,22 +9,22 @@ was recomputed over what is left), every topic reads exactly as the reference
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
-from txn_engine.buffer.kernel import NARROW_COLUMNS
-from txn_engine.buffer.spark_runner import facts_of_log
 from txn_engine.tier.consumer import Consumer
-from txn_engine.storage.delta_io import DeltaTables, ledger_predicate, overwrite_small
-from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
-from txn_engine.core.log_types import LogEntry
-from txn_engine.tier.offload import FROM_BUFFER_STATE, classify_for_offload, decided_txns, manifest_counts, offload_ledgers, row_hash
+from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.log.ledgers import current_ledger_catalog
+from txn_engine.core.log_types import EntryType, LogEntry, Violation
+from txn_engine.tier.offload import FROM_BUFFER_STATE, offload_ledgers
 from txn_engine.core.positions import EARLIEST
 from txn_engine.tier.reader import TopicReader
 from txn_engine.tier.retention import RetentionPolicy, apply_retention
 from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, LEDGERS
-from txn_engine.reference.transaction_buffer import replay
+from txn_engine.reference.transaction_buffer import TopicTransactionBuffer, replay
 
 # One step: (starts a new ledger?, what to append, which open transaction / earlier send it picks).
 STEP = st.tuples(st.booleans(), st.sampled_from(["plain", "retry", "data", "data", "commit", "abort"]), st.integers(0, 5))
@@ -67,18 +67,34 @@ def reference(entries: list[LogEntry]) -> dict[str, list[tuple]]:
             for topic, buffer in replay(entries).items()}
 
 
-COUNTED = ("first_entry_id", "last_entry_id", "entries_before", "entries_kept", "dropped_markers", "dropped_aborted",
-           "dropped_duplicates", "dropped_other", "bytes_before", "bytes_after", "checksum")
+COUNTED = ("entries_before", "entries_kept", "dropped_markers", "dropped_aborted", "dropped_duplicates", "dropped_other")
 
 
-def manifest_by_classification(warehouse, ledgers) -> dict:
-    """The manifest's counts as the log path computes them: every row of the ledgers classified."""
-    entries = warehouse.read(LEDGER_ENTRIES)
-    facts = facts_of_log(entries)
-    sized = entries.where(ledger_predicate(ledgers)).select(*NARROW_COLUMNS, entry_size_bytes().alias("_bytes"),
-                                                           row_hash().alias("_hash"))
-    classified = classify_for_offload(sized, decided_txns(facts.txns), facts.duplicates)
-    return {(r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in manifest_counts(classified).collect()}
+def reference_manifest(entries: list[LogEntry]) -> dict[tuple[str, int], Counter]:
+    """Per ledger, the manifest's counts as the reference buffer meets each entry of the topic in
+    order: a marker, a retried send or late data (the violation it counts), else DATA that ends up
+    visible, aborted, or still ongoing."""
+    counts: dict[tuple[str, int], Counter] = {}
+    for topic in sorted({e.topic for e in entries}):
+        buffer, data = TopicTransactionBuffer(topic), []
+        for e in sorted((e for e in entries if e.topic == topic), key=lambda e: e.position):
+            before = Counter(buffer.violations)
+            buffer.append(e)
+            met = buffer.violations - before
+            count = counts.setdefault((topic, e.ledger_id), Counter(dict.fromkeys(COUNTED, 0)))
+            count["entries_before"] += 1
+            reason = ("dropped_markers" if e.is_marker else "dropped_duplicates" if met[Violation.DUPLICATE]
+                      else "dropped_other" if met[Violation.DATA_AFTER_MARKER] else None)
+            if reason:
+                count[reason] += 1
+            else:
+                data.append(e)
+        visible = {c.entry.position for c in buffer.committed_entries()}
+        outcome = {txn: m.outcome for txn, m in buffer.markers.items()}
+        for e in data:
+            counts[(topic, e.ledger_id)]["entries_kept" if e.position in visible else "dropped_aborted"
+                                         if outcome.get(e.txn_id) == EntryType.ABORT else "ongoing"] += 1
+    return counts
 
 
 def write_catalog(warehouse) -> None:
@@ -115,10 +131,10 @@ def test_tier_plus_hot_reads_equal_the_reference(production_codegen, warehouse, 
     assert (result.facts_from, result.kept_from) == (FROM_BUFFER_STATE, COMMITTED_ENTRIES)
     assert read_all(warehouse, expected) == expected  # in the process (delta-rs, Arrow)
     assert read_all(warehouse, expected, driver_max_bytes=0) == expected  # on Spark
-    # The manifest counted from the state and the tier equals counting each row of the log by its disposition.
-    assert manifest_by_classification(warehouse, result.offloaded) == {
-        (r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in result.manifest
-    }
+    # The manifest's counts are the reference's, ledger by ledger (an offloaded ledger holds nothing ongoing).
+    by_reference = reference_manifest(entries)
+    assert {(r["topic"], r["ledger_id"]): {c: r[c] for c in COUNTED} for r in result.manifest} == {
+        key: dict(by_reference[key]) for key in result.offloaded}
     apply_retention(warehouse, RetentionPolicy(keep_ledgers=1))
     # The engine's consumer (no Spark) reads the same: deleted ledgers from the tier, the rest decided
     # with the facts the buffer's state kept of them.

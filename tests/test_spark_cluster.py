@@ -194,9 +194,9 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     for name, path in local_tables.items():
         local_schema, local_rows = comparable_rows(path, skipped_seen, s3_store)
         cluster_schema, cluster_rows = comparable_rows(cluster_tables[name], skipped_seen, s3_store)
-        # Names and types, not nullability: the buffer's Spark path writes its tables' columns
-        # nullable where the driver's Arrow path keeps the schema's NOT NULL (same rows).
-        assert [(f.name, f.type) for f in cluster_schema] == [(f.name, f.type) for f in local_schema], f"{name}: schemas differ"
+        # Names, types and nullability: the buffer's Spark path keeps the schema's NOT NULL as the driver's does.
+        assert [(f.name, f.type, f.nullable) for f in cluster_schema] == [(f.name, f.type, f.nullable) for f in local_schema], \
+            f"{name}: schemas differ"
         assert len(cluster_rows) == len(local_rows), f"{name}: {len(cluster_rows)} rows on the cluster, {len(local_rows)} locally"
         for i, (cluster_row, local_row) in enumerate(zip(cluster_rows, local_rows)):
             assert cluster_row == local_row, f"{name}: row {i} (sorted) differs"

@@ -534,6 +534,44 @@ def scoped_violation_totals(narrow: pa.Table, duplicate: np.ndarray, duplicates:
     }
 
 
+def ledger_drops(ledger_txns: pa.Table, first_markers: pa.Table) -> pa.Table:
+    """Per (topic, ledger_id), what a read-committed reader never sees of it, by reason:
+    `entries_before`, `dropped_markers`, `dropped_duplicates`, `dropped_aborted`, and the bounds
+    `kept_at_least` <= visible <= `kept_at_most` (the offload manifest's counts; late data is the rest).
+
+    `ledger_txns`: `buffer_ledger_txns` rows (`by_ledger_txn`) of those ledgers; `first_markers`:
+    `txn_markers` rows of their transactions. A group's data not retried is entry_count -
+    marker_count - duplicate_count: all aborted (an aborted transaction), all visible (no
+    transaction, or a COMMIT in a later ledger, or in this one after every entry of the group) or
+    all late (a COMMIT in an earlier ledger); only a group holding entries after its COMMIT in
+    the same ledger splits, which the bounds leave open.
+    """
+    markers = first_markers.select([*TXN_KEY, "outcome", "ledger_id", "entry_id"]).rename_columns(
+        [*TXN_KEY, "_outcome", "_ml", "_me"])
+    g = ledger_txns.join(markers, keys=list(TXN_KEY), join_type="left outer")  # null keys (no transaction) match nothing
+
+    def when(condition: pa.ChunkedArray, values: pa.ChunkedArray) -> pa.ChunkedArray:
+        return pc.if_else(pc.fill_null(condition, False), values, 0)
+
+    data = pc.subtract(pc.subtract(g["entry_count"], g["marker_count"]), g["duplicate_count"])
+    commit = pc.equal(g["_outcome"], EntryType.COMMIT.value)
+    marker_here = pc.and_kleene(commit, pc.equal(g["_ml"], g["ledger_id"]))
+    after_all = pc.less_equal(g["last_entry_id"], g["_me"])
+    all_kept = pc.or_kleene(pc.or_kleene(pc.invert(has_txn(g)), pc.and_kleene(commit, pc.greater(g["_ml"], g["ledger_id"]))),
+                            pc.and_kleene(marker_here, after_all))
+    split = pc.and_kleene(marker_here, pc.invert(after_all))
+    parts = pa.table({
+        "topic": g["topic"], "ledger_id": g["ledger_id"],
+        "entries_before": g["entry_count"], "dropped_markers": g["marker_count"], "dropped_duplicates": g["duplicate_count"],
+        "dropped_aborted": when(pc.equal(g["_outcome"], EntryType.ABORT.value), data),
+        "kept_at_least": when(all_kept, data),
+        "kept_at_most": when(pc.or_kleene(all_kept, split), data),
+    })
+    sums = [c for c in parts.column_names if c not in ("topic", "ledger_id")]
+    totals = parts.group_by(["topic", "ledger_id"], use_threads=False).aggregate([(c, "sum") for c in sums])
+    return totals.select(["topic", "ledger_id", *(f"{c}_sum" for c in sums)]).rename_columns(["topic", "ledger_id", *sums])
+
+
 # -- one scope ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)

@@ -404,7 +404,7 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
     full = kept_state is None
     pending_rows = None
     if full:
-        decided = spark_runner.decide_full(entries)
+        decided = spark_runner.decide_full(entries, topics={t for t, _, _ in plan.last_entries})
     else:
         stable_at = {r.topic: r.max_read_ledger_id for r in old_stable}
         reads = spark_runner.state_reads(kept_state, entries, stable_at)
@@ -414,22 +414,29 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         decided = spark_runner.decide_scope(entries, reads, topics, plan.ledgers, stable_at, listed, plan.shadowed,
                                             [(t, ledger) for t, ledger, _ in plan.retained])
     try:
-        written = spark_runner.wide_tables(decided, entries, pending_rows)
+        # The narrow decisions in one collect when they fit: delta-rs commits them without Spark's per-write jobs.
+        small = spark_runner.collect_narrow(decided, driver_write_max_bytes)
+        written = spark_runner.wide_tables(decided, entries, pending_rows, small)
         driver = plan.size_bytes <= driver_write_max_bytes
 
         def by_driver(table: str, frame: DataFrame) -> bool:
             # Every table when the scope is small; else the narrow ones (a row per transaction and
-            # ledger at most) when they fit: delta-rs commits them without Spark's per-write jobs.
+            # ledger at most) when they fit.
             return driver or (table in NARROW_TABLES and fits_driver(frame, driver_write_max_bytes))
 
         stable = written[STABLE_POSITIONS]
+        new_stable = (lambda: [Row(**r) for r in stable.to_pylist()]) if small else stable.collect
         # The in_stable_prefix flip rewrites files of the history: by the driver only when the whole log fits.
-        _write(wh, written, lambda: stable.collect(), old_stable, plan, after_write, by_driver,
-               plan.log_bytes <= driver_write_max_bytes)
-        ledgers = (sorted(r.ledger_id for r in written[BUFFER_LEDGER_TXNS].select("ledger_id").distinct().collect()) if full
-                   else sorted(plan.ledgers))
+        _write(wh, written, new_stable, old_stable, plan, after_write, by_driver, plan.log_bytes <= driver_write_max_bytes)
+        if not full:
+            ledgers = sorted(plan.ledgers)
+        elif small:
+            ledgers = sorted(set(written[BUFFER_LEDGER_TXNS]["ledger_id"].to_pylist()))
+        else:
+            ledgers = sorted(r.ledger_id for r in written[BUFFER_LEDGER_TXNS].select("ledger_id").distinct().collect())
         return BufferRefresh(full=full, ledgers=ledgers, written_by="driver" if driver else "spark",
-                             retained_ledgers=len(plan.retained), violations=decided.violations())
+                             retained_ledgers=len(plan.retained),
+                             violations=spark_runner.violations_of(small) if small else decided.violations())
     finally:
         decided.unpersist()
 
@@ -501,9 +508,9 @@ def _write(wh, tables: Mapping[str, DataFrame | pa.Table | Callable[[], DataFram
         if isinstance(frame, pa.Table):
             DeltaTables(wh).overwrite(table, frame, TABLE_SCHEMAS[table], where(True), commit_metadata)
         elif by_driver(table, frame):
-            overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata)
+            overwrite_small(wh, table, frame, predicate=where(True), commit_metadata=commit_metadata, schema=TABLE_SCHEMAS[table])
         else:
-            wh.overwrite(table, frame, replace_where=where(False), commit_metadata=commit_metadata)
+            wh.overwrite(table, frame, replace_where=where(False), commit_metadata=commit_metadata, schema=TABLE_SCHEMAS[table])
         if after_write:
             after_write(table)
 

@@ -12,6 +12,7 @@ column per table (null in the rows of the others), split again by `kind`.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -34,13 +35,11 @@ from txn_engine.buffer.kernel import (
     ScopeTables,
     require_ledger_entries,
 )
-from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.arrow_frames import arrow_schema, local_frame
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES
 from txn_engine.core.schema import (
     ABORTED_TXNS,
-    BUFFER_DUPLICATES,
     BUFFER_LEDGER_TXNS,
-    BUFFER_LEDGER_TXNS_SCHEMA,
     BUFFER_PENDING_ENTRIES,
     BUFFER_SEQUENCE_RANGES,
     COMMITTED_ENTRIES,
@@ -178,43 +177,47 @@ class SparkDecisions:
         self.frame.unpersist()
 
 
-def decide_full(entries: DataFrame, persist: bool = True) -> SparkDecisions:
+def spread_topics(narrow: DataFrame, topics: Iterable[str]) -> DataFrame:
+    """`narrow` hash-partitioned by topic into the fewest partitions (from one per topic up) in
+    which no two of `topics` share one, so the kernel's groups run on as many cores as there are
+    topics: by the shuffle's default partitions, topics land in one task together (and adaptive
+    execution coalesces small ones). Past `SPREAD_MAX_PARTITIONS` a partitioning with the fewest
+    topics in one partition is taken. Spark computes the topics' hashes (a local projection)."""
+    names = sorted(set(topics))
+    if len(names) < 2:
+        return narrow
+    spark = narrow.sparkSession
+    hashes = [r[0] for r in local_frame(spark, [(t,) for t in names], "topic string").select(F.hash("topic")).collect()]
+
+    def most_in_one(n: int) -> int:  # Spark's partition: pmod(hash, n), as Python's % for n > 0
+        return max(Counter(h % n for h in hashes).values())
+
+    candidates = range(len(names), max(len(names), SPREAD_MAX_PARTITIONS) + 1)
+    n = next((n for n in candidates if most_in_one(n) == 1), None) or min(candidates, key=lambda n: (most_in_one(n), n))
+    return narrow.repartition(n, "topic")
+
+
+SPREAD_MAX_PARTITIONS = 64  # most of them empty: an empty task costs milliseconds
+
+
+def decide_full(entries: DataFrame, persist: bool = True, topics: Iterable[str] | None = None) -> SparkDecisions:
     """The kernel over every topic of `entries` (ledger_entries rows), with no state; `persist`:
-    computed once for all the tables read (else each read of a table runs it again)."""
+    computed once for all the tables read (else each read of a table runs it again); `topics`: the
+    log's (from the catalog), to give each a partition of its own (`spread_topics`)."""
     narrow = entries.select(*NARROW_COLUMNS)
+    if topics is not None:
+        narrow = spread_topics(narrow, topics)
     decided = narrow.groupBy("topic").applyInArrow(_full_run, OUTPUT_SCHEMA)
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
-
-
-def facts_of_log(entries: DataFrame) -> BufferTables:
-    """The narrow `BufferTables` of `entries` (ledger_entries rows): the kernel's full run."""
-    return BufferTables(decide_full(entries))
-
-
-def _fold_state(key: tuple[pa.Scalar, ...], ledger_txns: pa.Table) -> pa.Table:
-    topic = key[0].as_py()
-    txns = kernel.txns_from_ledger_txns(kernel.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
-    last = ledger_txns.group_by(["ledger_id"], use_threads=False).aggregate([("last_entry_id", "max")])
-    ledgers = [(topic, ledger, entry) for ledger, entry in zip(last["ledger_id"].to_pylist(), last["last_entry_id_max"].to_pylist())]
-    return _as_union({TXN_MARKERS: kernel.markers_from_txns(txns),
-                      STABLE_POSITIONS: kernel.stable_positions(txns, ledgers)}, OUTPUT_SCHEMA, topic)
-
-
-def facts_of_state(ledger_txns: DataFrame, duplicates: DataFrame) -> BufferTables:
-    """The markers, stable positions and duplicates (`BufferTables`) folded by the kernel from stored state: `buffer_ledger_txns` rows (grouped by
-    topic) and the `buffer_duplicates` of the same log."""
-    folded = ledger_txns.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(_fold_state, OUTPUT_SCHEMA)
-    duplicate_rows = _union_rows(duplicates, BUFFER_DUPLICATES, DECISION_SCHEMAS)
-    return BufferTables(SparkDecisions(folded.unionByName(duplicate_rows).persist(StorageLevel.MEMORY_AND_DISK)))
 
 
 @dataclass
 class BufferTables:
     """The buffer's tables of a whole log by the kernel on Spark, computed once when first read;
-    `unpersist()` when done. `entries` (the log's full rows) only for `committed_entries`."""
+    `unpersist()` when done. `entries`: the log's full rows, for `committed_entries`."""
 
     decided: SparkDecisions
-    entries: DataFrame | None = None
+    entries: DataFrame
 
     @property
     def txn_markers(self) -> DataFrame:
@@ -227,16 +230,6 @@ class BufferTables:
     @property
     def stable_positions(self) -> DataFrame:
         return self.decided.table(STABLE_POSITIONS)
-
-    @property
-    def duplicates(self) -> DataFrame:
-        return self.decided.table(BUFFER_DUPLICATES)
-
-    @property
-    def txns(self) -> DataFrame:
-        """The decided transactions: the first marker's outcome, `marker_ledger_id`, `marker_entry_id`."""
-        return self.txn_markers.withColumnRenamed("ledger_id", "marker_ledger_id").withColumnRenamed(
-            "entry_id", "marker_entry_id")
 
     @property
     def committed_entries(self) -> DataFrame:
@@ -284,13 +277,14 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
 
 
-def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
+def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
     """`committed_entries`: the full `rows` the kernel decided visible, with its decisions, looked
-    up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id."""
+    up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id; the segments
+    broadcast while they fit `broadcast_max_bytes`, else joined by shuffle."""
     segments = decided.table(VISIBLE)
     # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
     size = segments.agg(F.sum(F.size("codes") * 8 + F.size("targets") * 16 + NARROW_ROW_BYTES)).first()[0] or 0
-    if size <= BROADCAST_MAX_BYTES:
+    if size <= broadcast_max_bytes:
         segments = F.broadcast(segments)
     joined = rows.join(segments, ["topic", "ledger_id"]).where(F.col("entry_id").between(F.col("first_entry_id"), F.col("last_entry_id")))
     code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
@@ -308,19 +302,51 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame) -> DataFrame:
     return conform(decided_rows, COMMITTED_ENTRIES_SCHEMA)
 
 
-def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None) -> dict[str, DataFrame]:
+# The decisions without entry rows (a row per transaction and ledger at most), the rows to keep
+# pending, and the violation counts: what `collect_narrow` brings to the driver in one job.
+SMALL_KINDS = (*NARROW_TABLES, PENDING, "violations")
+
+
+def collect_narrow(decided: SparkDecisions, max_bytes: int) -> dict[str, pa.Table] | None:
+    """`SMALL_KINDS` as Arrow tables (the narrow tables in their schemas), collected in one Spark
+    job when together they fit `max_bytes` (`NARROW_ROW_BYTES` a row), else None: one count and one
+    collect instead of a count and a collect per table."""
+    if max_bytes < NARROW_ROW_BYTES:
+        return None
+    rows = decided.frame.where(F.col("kind").isin(list(SMALL_KINDS)))
+    if rows.count() * NARROW_ROW_BYTES > max_bytes:
+        return None
+    union = rows.select("kind", *SMALL_KINDS).toArrow()
+    small = {name: _of_kind(union, name) for name in SMALL_KINDS}
+    return {name: kernel.conform(table, TABLE_SCHEMAS[name]) if name in NARROW_TABLES else table
+            for name, table in small.items()}
+
+
+def violations_of(small: Mapping[str, pa.Table]) -> dict[str, int]:
+    """The violation totals of collected decisions (`collect_narrow`)."""
+    counts = small["violations"]
+    return {v: int(pc.sum(counts[v]).as_py() or 0) for v in VIOLATIONS}
+
+
+def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None,
+                small: Mapping[str, pa.Table] | None = None) -> dict[str, DataFrame | pa.Table]:
     """Every table of the run: the kernel's narrow tables, and the full rows it decided on joined in.
 
     `entries`: the scope's full rows; `pending_rows`: the stored pending rows of older ledgers a
-    commit in the scope can make visible (full rows; None for a run with no state)."""
-    tables = {name: decided.table(name) for name in NARROW_TABLES}
+    commit in the scope can make visible (full rows; None for a run with no state); `small`: the
+    narrow decisions when collected (`collect_narrow`), which are then returned as Arrow."""
+    tables = {name: small[name] if small else decided.table(name) for name in NARROW_TABLES}
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
     tables[COMMITTED_ENTRIES] = committed_rows(decided, rows)
     # Only the ledgers that hold pending rows are read again.
-    pending = decided.table(PENDING)
-    ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
+    if small:
+        pending = local_frame(entries.sparkSession, small[PENDING], DECISION_SCHEMAS[PENDING])
+        ledgers = sorted(set(small[PENDING]["ledger_id"].to_pylist()))
+    else:
+        pending = decided.table(PENDING)
+        ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
     tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
         *LEDGER_ENTRY_COLUMNS).join(pending, list(POSITION_COLUMNS), "left_semi")
     return tables

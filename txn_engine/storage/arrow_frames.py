@@ -46,10 +46,13 @@ def arrow_schema(schema: T.StructType) -> pa.Schema:
     return pa.schema([arrow_field(f) for f in schema.fields])
 
 
-def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any] | Mapping[str, Any]], schema: T.StructType | str) -> DataFrame:
-    """A DataFrame of rows made in the driver (tuples in `schema`'s order, or dicts), sent to Spark
+def local_frame(spark: SparkSession, rows: Sequence[Sequence[Any] | Mapping[str, Any]] | pa.Table,
+                schema: T.StructType | str) -> DataFrame:
+    """A DataFrame of rows made in the driver (tuples in `schema`'s order, dicts, or an Arrow table), sent to Spark
     as Arrow: `createDataFrame` of a Python list makes the executors start Python workers to
     unpickle them."""
     struct = schema if isinstance(schema, T.StructType) else T.StructType.fromDDL(schema)
+    if isinstance(rows, pa.Table):
+        return spark.createDataFrame(rows.select(struct.fieldNames()).cast(arrow_schema(struct)), struct)
     dicts = [r if isinstance(r, Mapping) else dict(zip(struct.fieldNames(), r)) for r in rows]
     return spark.createDataFrame(pa.Table.from_pylist(dicts, arrow_schema(struct)), struct)

@@ -53,10 +53,11 @@ def fits_driver(frame: DataFrame, max_bytes: int = DRIVER_WRITE_MAX_BYTES, row_b
 
 
 def overwrite_small(warehouse: Warehouse, table: str, frame: DataFrame, predicate: str | None = None,
-                    commit_metadata: dict[str, str] | None = None) -> int:
+                    commit_metadata: dict[str, str] | None = None, schema: T.StructType | None = None) -> int:
     """Write a result small enough for the driver (a row per ledger or topic, a small run's tables)
-    as `DeltaTables.overwrite` does: collected as Arrow in one Spark job, committed by delta-rs."""
-    return DeltaTables(warehouse).overwrite(table, frame.toArrow(), frame.schema, predicate, commit_metadata)
+    as `DeltaTables.overwrite` does: collected as Arrow in one Spark job, committed by delta-rs, in
+    `schema` when given (its NOT NULL columns kept), else the frame's."""
+    return DeltaTables(warehouse).overwrite(table, frame.toArrow(), schema or frame.schema, predicate, commit_metadata)
 
 
 def ledger_predicate(ledgers: Iterable[tuple[str, int]], ledger_column: str = "ledger_id", delta_rs: bool = False) -> str:

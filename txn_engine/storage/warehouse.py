@@ -138,18 +138,27 @@ class Warehouse:
         replace_where: str | None = None,
         path: str | None = None,
         commit_metadata: dict[str, str] | None = None,
+        schema: StructType | None = None,
     ) -> None:
         """Replace the table (or only the rows matching `replace_where`) in one Delta commit, whose
         commit info carries `commit_metadata` (as Delta's `userMetadata`, a JSON object:
-        `DeltaTables.last_commit` reads it back)."""
+        `DeltaTables.last_commit` reads it back).
+
+        `schema`: the table's own, whose NOT NULL columns stay NOT NULL (and are enforced by Delta)
+        though Spark computes `df`'s as nullable: a missing table is created with it first, and a
+        table with its columns is written without replacing its schema."""
         location = path or self.path(table)
         with self.writer(table):
             writer = stored_frame(table, df).write.format("delta").mode("overwrite")
             if commit_metadata:
                 writer = writer.option("userMetadata", json.dumps(commit_metadata, sort_keys=True))
-            if replace_where is not None and self.exists(table, location):
+            exists = self.exists(table, location)
+            if schema is not None and not exists:
+                DeltaTable.createIfNotExists(self.spark).location(location).addColumns(schema).execute()
+                exists = True
+            if replace_where is not None and exists:
                 writer = writer.option("replaceWhere", replace_where)
-            else:
+            elif schema is None or not _same_columns(self.spark.read.format("delta").load(location).schema, schema):
                 writer = writer.option("overwriteSchema", "true")
             retry_delta_conflicts(lambda: writer.save(location))
 
@@ -159,6 +168,11 @@ class Warehouse:
         with self.writer(table):
             if self.exists(table, location):
                 retry_delta_conflicts(lambda: DeltaTable.forPath(self.spark, location).delete(predicate))
+
+
+def _same_columns(a: StructType, b: StructType) -> bool:
+    """The same column names and types, in order, whatever their nullability."""
+    return [(f.name, f.dataType) for f in a.fields] == [(f.name, f.dataType) for f in b.fields]
 
 
 def require_current_columns(table: str, columns: list[str], location: str) -> None:

@@ -3,19 +3,18 @@
 A CLOSED ledger whose last entry is at or below its topic's stable position holds only decided
 entries, so it can move to the cold tier; only what a read-committed reader may ever see goes
 there, at its original positions, and markers, aborted data, retried duplicates and late data stay
-behind, counted by reason in the manifest. Everything is decided by the buffer's rules over one
-pinned version of `ledger_entries`: folded from the buffer's state when it describes that log (as
-Pulsar's offloader asks the topic's transaction buffer), else classified from the log; the kept
-rows come from the buffer's recorded `committed_entries` when there is one, else from the
-classified log. Per ledger: the tier rows, then the manifest row (the commit point), then the
-OFFLOADED state; every run first repairs what a crash left. docs/offload.md has the rules, the
-layout and the crash cases; docs/benchmarks.md, "Offload", the measurements behind them.
+behind, counted by reason in the manifest. Nothing here restates a buffer rule: every decision is
+the buffer kernel's over one pinned version of `ledger_entries`, read from the tables the buffer
+recorded for exactly that log when there are some (as Pulsar's offloader asks the topic's
+transaction buffer), else made by running the kernel over the pinned log. Per ledger: the tier
+rows, then the manifest row (the commit point), then the OFFLOADED state; every run first repairs
+what a crash left. docs/offload.md has the rules, the layout and the crash cases;
+docs/benchmarks.md, "Offload", the measurements behind them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from datetime import datetime, timezone
 from typing import Callable, Iterable
 
@@ -32,11 +31,11 @@ from txn_engine.buffer.refresh import (
     state_is_current,
     state_ledger_counts,
 )
-from txn_engine.buffer.kernel import NARROW_COLUMNS, TXN_KEY, ledger_filter
-from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le, position_lt
-from txn_engine.buffer.spark_runner import BufferTables, facts_of_log, facts_of_state
+from txn_engine.buffer.kernel import TXN_KEY, ledger_drops, ledger_filter
+from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, position_le
+from txn_engine.buffer.spark_runner import SparkDecisions, committed_rows, decide_full
 from txn_engine.storage.arrow_frames import local_frame
-from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, fits_driver, ledger_predicate
+from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
 from txn_engine.core.positions import Position
@@ -55,7 +54,6 @@ from txn_engine.core.schema import (
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
     OFFLOADED_ENTRIES,
-    POSITION_COLUMNS,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
@@ -66,9 +64,8 @@ from txn_engine.storage.warehouse import Warehouse
 # Where an offload run took the buffer's facts from (OffloadResult.facts_from).
 FROM_BUFFER_STATE, FROM_LEDGER_ENTRIES = "buffer_state", "ledger_entries"
 
-# Why an entry stays behind (or KEPT). The manifest has one count column per reason.
-KEPT, MARKER, ABORTED, DUPLICATE, OTHER = "KEPT", "MARKER", "ABORTED", "DUPLICATE", "OTHER"
-DROP_COLUMNS = {MARKER: "dropped_markers", ABORTED: "dropped_aborted", DUPLICATE: "dropped_duplicates", OTHER: "dropped_other"}
+# The manifest's count of each reason an entry stays behind (`kernel.ledger_drops`; late data is the rest).
+DROP_COLUMNS = ("dropped_markers", "dropped_aborted", "dropped_duplicates", "dropped_other")
 
 # The steps of an offload run whose seconds OffloadResult.step_seconds reports, in order: the pinned
 # catalog; the buffer's facts and the stable positions; eligibility, look-ups and recovery; the
@@ -111,12 +108,6 @@ class OffloadWaitingError(TxnlakeError):
                          "not materialized; the offload sensor requests them once they are eligible.")
 
 
-# What a decided transaction takes in the hash relation broadcast to the offloaded rows (from
-# Spark's SQL metrics), to bound that broadcast by `BROADCAST_MAX_BYTES` (`decided_txns`;
-# docs/benchmarks.md, "Offload").
-DECIDED_TXN_BROADCAST_BYTES = 240
-
-
 # -- pure DataFrame logic -----------------------------------------------------------------------
 
 def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
@@ -138,34 +129,6 @@ def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
         .withColumn("waiting_reason", reason)
         .withColumn("eligible", F.col("waiting_reason").isNull())
     )
-
-
-def decided_txns(txns: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
-    """The decided transactions of `txns` (`BufferTables.txns`), marked for broadcast while they fit
-    `broadcast_max_bytes` (a count: cheap on the cached facts), else left to a join by shuffle."""
-    decided = txns.where(F.col("outcome").isNotNull())
-    return F.broadcast(decided) if fits_driver(decided, broadcast_max_bytes, DECIDED_TXN_BROADCAST_BYTES) else decided
-
-
-def classify_for_offload(entries: DataFrame, txns: DataFrame, duplicates: DataFrame) -> DataFrame:
-    """`entries` with a `disposition` column: KEPT or the reason it is dropped. Pure.
-
-    `txns` and `duplicates` are the buffer's facts (`BufferTables.txns`, `.duplicates`) of the
-    whole topic history, so the rules are exactly those of `committed_entries`.
-    """
-    decided = txns.select(*TXN_KEY, "outcome", F.col("marker_ledger_id").alias("_ml"), F.col("marker_entry_id").alias("_me"))
-    flagged = entries.join(F.broadcast(duplicates.withColumn("_dup", F.lit(True))), list(POSITION_COLUMNS), "left")
-    joined = flagged.join(decided, list(TXN_KEY), "left")
-    before_marker = position_lt(F.col("ledger_id"), F.col("entry_id"), F.col("_ml"), F.col("_me"))
-    disposition = (
-        F.when(~is_data(), F.lit(MARKER))
-        .when(F.col("_dup").isNotNull(), F.lit(DUPLICATE))
-        .when(~has_txn(), F.lit(KEPT))
-        .when((F.col("outcome") == "COMMIT") & before_marker, F.lit(KEPT))
-        .when(F.col("outcome") == "ABORT", F.lit(ABORTED))
-        .otherwise(F.lit(OTHER))
-    )
-    return joined.withColumn("disposition", disposition).drop("_dup", "outcome", "_ml", "_me")
 
 
 def row_hash() -> Column:
@@ -203,25 +166,6 @@ def content_checksum() -> Column:
     return checksum_of(row_hash())
 
 
-def manifest_counts(classified: DataFrame) -> DataFrame:
-    """Per (topic, ledger_id): range, counts (kept and dropped by reason), bytes and the kept rows' checksum. Pure.
-
-    `classified` is `classify_for_offload` output with `_bytes` (`entry_size_bytes()`) and
-    `_hash` (`row_hash()`) columns, so no payload is read here.
-    """
-    kept = F.col("disposition") == KEPT
-    return classified.groupBy("topic", "ledger_id").agg(
-        F.min("entry_id").alias("first_entry_id"),
-        F.max("entry_id").alias("last_entry_id"),
-        F.count("*").alias("entries_before"),
-        F.count(F.when(kept, 1)).alias("entries_kept"),
-        *[F.count(F.when(F.col("disposition") == d, 1)).alias(c) for d, c in DROP_COLUMNS.items()],
-        F.sum("_bytes").cast("long").alias("bytes_before"),
-        F.coalesce(F.sum(F.when(kept, F.col("_bytes"))), F.lit(0)).cast("long").alias("bytes_after"),
-        checksum_of(F.when(kept, F.col("_hash"))).alias("checksum"),
-    )
-
-
 def kept_rows_summary(tier: DataFrame) -> DataFrame:
     """Per (topic, ledger_id) of tier rows: `entries_kept`, `bytes_after` and their `checksum`
     (`content_checksum`, as `manifest_counts` computes them over the classified rows). Pure."""
@@ -230,51 +174,6 @@ def kept_rows_summary(tier: DataFrame) -> DataFrame:
         F.sum(entry_size_bytes()).cast("long").alias("bytes_after"),
         content_checksum().alias("checksum"),
     )
-
-
-def drops_from_state(ledger_txns: pa.Table, first_markers: pa.Table) -> pa.Table:
-    """Per (topic, ledger_id), the manifest's counts by reason from the buffer's state instead of
-    the ledger's rows: `entries_before`, `dropped_markers`, `dropped_duplicates`, `dropped_aborted`,
-    and the bounds `kept_at_least` <= KEPT <= `kept_at_most`. Pure, in Arrow: a fold of a row per
-    (ledger, transaction) of the ledgers offloaded, cheaper than the Spark join and aggregate it
-    replaced (docs/benchmarks.md, "Offload").
-
-    `ledger_txns`: the state's rows (`kernel.by_ledger_txn`) of those ledgers;
-    `first_markers`: `txn_markers` rows (a transaction's first marker: outcome and position).
-    They are `classify_for_offload`'s rules summed per group: a group's data not retried is
-    entry_count - marker_count - duplicate_count, and it is all ABORTED (an aborted transaction),
-    all KEPT (no transaction, or a COMMIT whose first marker is in a later ledger, or in this one
-    after every entry of the group) or all OTHER (a COMMIT in an earlier ledger). Only a group that
-    holds entries after its COMMIT in the same ledger (late data, or a second marker) splits, which
-    the bounds leave open: the caller takes KEPT from the tier rows and checks it lies within them.
-    """
-    markers = first_markers.select([*TXN_KEY, "outcome", "ledger_id", "entry_id"]).rename_columns(
-        [*TXN_KEY, "_outcome", "_ml", "_me"]
-    )
-    g = ledger_txns.join(markers, keys=list(TXN_KEY), join_type="left outer")  # null keys (no transaction) match nothing
-
-    def when(condition: pa.ChunkedArray, values: pa.ChunkedArray) -> pa.ChunkedArray:
-        return pc.if_else(pc.fill_null(condition, False), values, 0)
-
-    data = pc.subtract(pc.subtract(g["entry_count"], g["marker_count"]), g["duplicate_count"])
-    commit = pc.equal(g["_outcome"], "COMMIT")
-    marker_here = pc.and_kleene(commit, pc.equal(g["_ml"], g["ledger_id"]))
-    after_all = pc.less_equal(g["last_entry_id"], g["_me"])
-    all_kept = pc.or_kleene(
-        pc.or_kleene(pc.is_null(g["txn_most_bits"]), pc.and_kleene(commit, pc.greater(g["_ml"], g["ledger_id"]))),
-        pc.and_kleene(marker_here, after_all),
-    )
-    split = pc.and_kleene(marker_here, pc.invert(after_all))
-    parts = pa.table({
-        "topic": g["topic"], "ledger_id": g["ledger_id"],
-        "entries_before": g["entry_count"], "dropped_markers": g["marker_count"], "dropped_duplicates": g["duplicate_count"],
-        "dropped_aborted": when(pc.equal(g["_outcome"], "ABORT"), data),
-        "kept_at_least": when(all_kept, data),
-        "kept_at_most": when(pc.or_kleene(all_kept, split), data),
-    })
-    sums = [c for c in parts.column_names if c not in ("topic", "ledger_id")]
-    totals = parts.group_by(["topic", "ledger_id"]).aggregate([(c, "sum") for c in sums])
-    return totals.select(["topic", "ledger_id", *(f"{c}_sum" for c in sums)]).rename_columns(["topic", "ledger_id", *sums])
 
 
 def _in_ledgers(frame: DataFrame, ledgers: Iterable[LedgerKey]) -> DataFrame:
@@ -295,8 +194,7 @@ class OffloadResult:
     states_recorded: list[LedgerKey] = field(default_factory=list)
     facts_from: str = FROM_LEDGER_ENTRIES
     # Where the kept rows were copied from: COMMITTED_ENTRIES (the buffer's, at the version its state
-    # records; the manifest then counts from that state and the rows written) or FROM_LEDGER_ENTRIES
-    # (each row of the offloaded ledgers classified).
+    # records) or FROM_LEDGER_ENTRIES (the rows the kernel, run over the pinned log, decides visible).
     kept_from: str = FROM_LEDGER_ENTRIES
     # Whether the orphan check read the tier's ledgers (False: no tier yet, or the tier is still at
     # the version the last manifest commit recorded as clean).
@@ -315,7 +213,7 @@ class OffloadResult:
 
     def savings(self) -> dict[str, int]:
         """Totals over this run's manifest rows: entries and bytes before and after, dropped by reason."""
-        keys = ["entries_before", "entries_kept", *DROP_COLUMNS.values(), "bytes_before", "bytes_after"]
+        keys = ["entries_before", "entries_kept", *DROP_COLUMNS, "bytes_before", "bytes_after"]
         totals = {k: sum(int(r[k]) for r in self.manifest) for k in keys}
         totals["bytes_saved"] = totals["bytes_before"] - totals["bytes_after"]
         totals["entries_dropped"] = totals["entries_before"] - totals["entries_kept"]
@@ -332,8 +230,8 @@ def offload_ledgers(
     An id names that ledger of every topic; a (topic, ledger_id) pair one topic's (a partition's).
 
     `crash_hook(step)` is called after each write step (AFTER_ENTRIES, AFTER_MANIFEST); tests
-    make it raise to simulate a crash there. `broadcast_max_bytes` bounds the decided transactions
-    broadcast to the offloaded rows when they are classified (`decided_txns`).
+    make it raise to simulate a crash there. `broadcast_max_bytes` bounds the kernel's decisions
+    broadcast to the offloaded rows when it decides from the log (`spark_runner.committed_rows`).
     """
     wh = warehouse
     lap = StepClock()
@@ -356,17 +254,17 @@ def offload_ledgers(
     lap("catalog")
     state_version = _state_version(wh, catalog_now)
     recorded = None if state_version is None else _recorded_tables(wh, state_version)
-    facts = None
-    if recorded is not None:
-        stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA)
-    else:
-        facts = facts_of_log(entries) if state_version is None else _facts_from_state(wh, state_version)
-        stable = facts.stable_positions
+    # Without the recorded tables of a state that describes this log, the kernel decides the log.
+    decided = LogDecisions(entries, decide_full(entries, topics={r["topic"] for r in catalog_rows}), broadcast_max_bytes) \
+        if recorded is None else None
+    source = recorded or decided
+    stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA) if recorded is not None \
+        else decided.decided.table(STABLE_POSITIONS)
     try:
         stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
         lap("facts")
         catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
-        result = OffloadResult(facts_from=FROM_LEDGER_ENTRIES if state_version is None else FROM_BUFFER_STATE,
+        result = OffloadResult(facts_from=FROM_LEDGER_ENTRIES if recorded is None else FROM_BUFFER_STATE,
                                kept_from=FROM_LEDGER_ENTRIES if recorded is None else COMMITTED_ENTRIES,
                                step_seconds=lap.seconds)  # later laps land there too
         manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
@@ -404,12 +302,12 @@ def offload_ledgers(
             # write is the only tier commit after the one checked (-1: there was no tier).
             clean_before = None if result.rolled_back_orphans else (-1 if tier_version is None else tier_version)
             ranges = {(r["topic"], r["ledger_id"]): r for r in catalog_rows}
-            copy = _Copy(wh, entries, sorted(targets), ranges, facts, recorded, broadcast_max_bytes)
+            copy = _Copy(wh, entries, sorted(targets), ranges, source)
             result.manifest = _copy_ledgers(copy, stable_at, crash_hook, lap, clean_before)
         return result
     finally:
-        if facts is not None:
-            facts.unpersist()
+        if decided is not None:
+            decided.decided.unpersist()
 
 
 def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
@@ -439,6 +337,9 @@ class RecordedBufferTables:
     versions: dict[str, int]  # of each of RECORDED_TABLES
     committed: DataFrame  # committed_entries at its recorded version
     stable_rows: list[dict]  # stable_positions at its recorded version, a row per topic
+
+    def kept_rows(self, ledgers: list[LedgerKey]) -> DataFrame:
+        return _in_ledgers(self.committed, ledgers).select(*LEDGER_ENTRY_COLUMNS)
 
     def state_of(self, ledgers: list[LedgerKey]) -> tuple[pa.Table, pa.Table]:
         """The state's rows of these ledgers and their transactions' first markers, by delta-rs
@@ -478,14 +379,6 @@ def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables 
     )
 
 
-def _facts_from_state(wh: Warehouse, state_version: int) -> BufferTables:
-    """The buffer's facts of the pinned log, folded by the kernel from its state at `state_version`."""
-    # buffer_ledger_txns is pinned first: a buffer run writes it last, so a run in progress can only
-    # have moved buffer_duplicates on, and a ledger whose counts are unchanged has the same
-    # duplicates in either version.
-    return facts_of_state(_pinned(wh, BUFFER_LEDGER_TXNS, state_version), _as_of_now(wh, BUFFER_DUPLICATES))
-
-
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
     """The (topic, ledger_id) pairs `table` holds at `version` (none when the table does not exist)."""
     if version is None:
@@ -504,40 +397,50 @@ def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
 
 
 @dataclass
+class LogDecisions:
+    """The kernel's decisions over the pinned log (`spark_runner.decide_full`), when no recorded
+    buffer tables describe it: the kept rows are the rows it decides visible, the drops its
+    per-(ledger, transaction) facts. `unpersist` the decisions when done."""
+
+    entries: DataFrame  # the pinned ledger_entries
+    decided: SparkDecisions
+    broadcast_max_bytes: int  # offload_ledgers' bound (`committed_rows`)
+
+    def kept_rows(self, ledgers: list[LedgerKey]) -> DataFrame:
+        rows = _in_ledgers(self.entries, ledgers).select(*LEDGER_ENTRY_COLUMNS)
+        return committed_rows(self.decided, rows, self.broadcast_max_bytes).select(*LEDGER_ENTRY_COLUMNS)
+
+    def state_of(self, ledgers: list[LedgerKey]) -> tuple[pa.Table, pa.Table]:
+        """As `RecordedBufferTables.state_of`, from the decisions (a row per ledger and transaction of
+        these ledgers, and their transactions' first markers)."""
+        state = _in_ledgers(self.decided.table(BUFFER_LEDGER_TXNS), ledgers)
+        markers = self.decided.table(TXN_MARKERS).join(state.where(F.col("txn_least_bits").isNotNull()).select(*TXN_KEY),
+                                                       list(TXN_KEY), "left_semi")
+        return state.toArrow(), markers.toArrow()
+
+
+@dataclass
 class _Copy:
-    """What one run copies: the pinned log, the ledgers and their ranges, and what decides: the
-    recorded buffer tables, or else the facts (from the state or the log), classifying each row."""
+    """What one run copies: the pinned log, the ledgers and their ranges, and what decided them
+    (the recorded buffer tables, or the kernel over the log)."""
 
     wh: Warehouse
     entries: DataFrame  # the pinned ledger_entries
     targets: list[LedgerKey]
     ranges: dict[LedgerKey, dict]  # the pinned catalog's rows
-    facts: BufferTables | None
-    recorded: RecordedBufferTables | None
-    broadcast_max_bytes: int  # offload_ledgers' bound (`decided_txns`)
+    source: RecordedBufferTables | LogDecisions
 
     def kept_rows(self) -> DataFrame:
-        if self.recorded is not None:
-            # Eligible ledgers hold decided entries only: their committed_entries rows are the kept rows.
-            return _in_ledgers(self.recorded.committed, self.targets).select(*LEDGER_ENTRY_COLUMNS)
-        classified = classify_for_offload(_in_ledgers(self.entries, self.targets), self._decided, self.facts.duplicates)
-        return classified.where(F.col("disposition") == KEPT).select(*LEDGER_ENTRY_COLUMNS)
+        # Eligible ledgers hold decided entries only: the rows the buffer decides visible are the kept rows.
+        return self.source.kept_rows(self.targets)
 
     def counts(self, tier_version: int) -> dict[LedgerKey, dict]:
-        """Per ledger: the manifest's range, counts by reason, bytes and checksum."""
-        if self.recorded is None:
-            # The same rows again (same log version, same classification): what was written, counted.
-            # Size and hash first, then only narrow rows go through the joins (no payload carried).
-            sized = _in_ledgers(self.entries, self.targets).select(
-                *NARROW_COLUMNS, entry_size_bytes().alias("_bytes"), row_hash().alias("_hash")
-            )
-            narrow_classified = classify_for_offload(sized, self._decided, self.facts.duplicates)
-            return {(r["topic"], r["ledger_id"]): r.asDict() for r in manifest_counts(narrow_classified).collect()}
-        # The kept side from the rows written (read back from the tier version this run made), the
-        # dropped side from the buffer's state, whose groups this log's ledgers are.
+        """Per ledger: the manifest's range, counts by reason, bytes and checksum: the kept side from
+        the rows written (read back from the tier version this run made), the dropped side from the
+        buffer's per-(ledger, transaction) facts (`kernel.ledger_drops`)."""
         tier = _in_ledgers(_pinned(self.wh, OFFLOADED_ENTRIES, tier_version), self.targets)
         kept = {(r["topic"], r["ledger_id"]): r.asDict() for r in kept_rows_summary(tier).collect()}
-        dropped = drops_from_state(*self.recorded.state_of(self.targets))
+        dropped = ledger_drops(*self.source.state_of(self.targets))
         drops = {(r["topic"], r["ledger_id"]): r for r in dropped.to_pylist()}
         none_dropped = dict.fromkeys(dropped.column_names, 0)  # a ledger without state rows: refused below
         sizes = _entry_bytes(self.wh, self.entries, self.ranges, self.targets)
@@ -565,11 +468,6 @@ class _Copy:
                 "bytes_before": sizes[key], "bytes_after": kept_row["bytes_after"], "checksum": kept_row["checksum"],
             }
         return counts
-
-    @cached_property
-    def _decided(self) -> DataFrame:
-        """The decided transactions, broadcast when they fit: decided once per run (the write and the counting pass share it)."""
-        return decided_txns(self.facts.txns, self.broadcast_max_bytes)
 
 
 def _entry_bytes(wh: Warehouse, entries: DataFrame, ranges: dict[LedgerKey, dict], targets: list[LedgerKey]) -> dict[LedgerKey, int]:
