@@ -29,7 +29,6 @@ from tests.buffer_histories import (
     plain,
     rows_by_topic,
 )
-from txn_engine.buffer.kernel import TABLE_SCHEMAS
 from txn_engine.buffer.refresh import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.log.ledgers import derive_ledger_catalog
@@ -46,6 +45,7 @@ from txn_engine.core.schema import (
     LEDGER_ENTRY_COLUMNS,
     STABLE_POSITIONS,
     TXN_MARKERS,
+    stored_schema,
 )
 from txn_engine.core.settings import WarehouseSettings
 from txn_engine.storage.warehouse import Warehouse
@@ -292,7 +292,7 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     # Either way every table keeps its schema's NOT NULL columns (Spark computes its frames' as nullable).
     for table in (*TABLES, *STATE_TABLES):
         columns = lambda schema: [(f.name, f.dataType, f.nullable) for f in schema.fields]  # noqa: E731
-        assert columns(warehouse.read(table).schema) == columns(TABLE_SCHEMAS[table]), table
+        assert columns(warehouse.read(table).schema) == columns(stored_schema(table)), table
 
 
 def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark, warehouse):

@@ -148,6 +148,8 @@ class Warehouse:
         though Spark computes `df`'s as nullable: a missing table is created with it first, and a
         table with its columns is written without replacing its schema."""
         location = path or self.path(table)
+        if schema is not None:  # as stored: described, with `txn_id` where the table has it
+            schema = stored_schema(table) or schema
         with self.writer(table):
             writer = stored_frame(table, df).write.format("delta").mode("overwrite")
             if commit_metadata:
