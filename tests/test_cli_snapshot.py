@@ -37,8 +37,9 @@ def test_snapshot_command_errors_then_snapshots(warehouse, warehouse_root, capsy
 
     assert main(["snapshot", "--max-aborts-per-segment", "2"]) == 0
     out = capsys.readouterr().out
-    for table in (TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_STATE, RECOVERED_BUFFER_STATE):
+    for table in (TXN_SNAPSHOT_SEGMENTS, RECOVERED_BUFFER_STATE):
         assert table in out and str(warehouse_root / table) in out
+    assert warehouse.path(TXN_SNAPSHOT_STATE) == str(warehouse_root / "_internal" / TXN_SNAPSHOT_STATE)  # internal state
     assert "check recovered_state_equals_full_replay: passed" in out
     # 5 aborts, 2 a segment: busy-1, busy-2, busy-end; the state READY; recovery from it.
     keys = sorted(r.snapshot_key for r in warehouse.read(TXN_SNAPSHOT_SEGMENTS).collect())
