@@ -70,6 +70,7 @@ from txn_engine.core.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
     DELETED_LEDGERS,
+    LEDGERS,
     LEDGER_ENTRIES,
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
@@ -289,6 +290,16 @@ def ledger_retention(context: AssetExecutionContext, config: RetentionConfig, sp
     yield MaterializeResult(metadata=table_metadata(wh, DELETED_LEDGERS, **outcome))
 
 
+# What an offload changes besides the tier: the catalog's states (OFFLOADED) and the models over
+# it and the tier. A named job, so the CLI's follow-up run is listed and re-executable as one.
+OFFLOAD_REFRESH_JOB = "catalog_after_offload"
+catalog_after_offload_job = define_asset_job(
+    OFFLOAD_REFRESH_JOB,
+    selection=AssetSelection.assets(LEDGERS, "ledger_sizes", "tier_sizes"),
+    description="Refresh the `ledgers` catalog, ledger_sizes and tier_sizes after an offload (`txnlake offload` runs it).",
+)
+
+
 retention_job = define_asset_job(
     "retention",
     selection=AssetSelection.assets(DELETED_LEDGERS),
@@ -375,5 +386,5 @@ def tier_matches_manifest(spark: SparkResource, warehouse: WarehouseResource) ->
 OFFLOAD_CHECKS = [tier_holds_only_committed_data, tier_within_stable_position_at_offload, tier_matches_manifest]
 
 
-defs = Definitions(assets=[offload_tier, ledger_retention], asset_checks=OFFLOAD_CHECKS, jobs=[offload_job, retention_job],
+defs = Definitions(assets=[offload_tier, ledger_retention], asset_checks=OFFLOAD_CHECKS, jobs=[offload_job, catalog_after_offload_job, retention_job],
                    sensors=[offload_eligible_ledgers], schedules=[retention_schedule])

@@ -188,6 +188,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
                  ["ingest", args.file, *quiet], ["demo", *quiet]]
     steps += [["run", *quiet], ["snapshot", *quiet], ["offload", *quiet]]
     started = time.monotonic()
+    _command.console.close()  # each step's command tells its own stages
     for step in steps:
         print(f"\n== txnlake {' '.join(step)}", flush=True)
         code = main(step)
@@ -459,7 +460,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
 
     from assets.partitions import LEDGER_PARTITIONS, ledger_keys, partition_spans, refuse_legacy_partitions
     from pipelines.definitions import defs
-    from pipelines.runs import ASSET_JOB
+    from assets.offload import OFFLOAD_REFRESH_JOB
     from txn_engine.core.errors import TableMissingError
     from txn_engine.log.ledgers import catalog_rows
     from txn_engine.tier.offload import OffloadResult, OffloadWaitingError, eligible_not_offloaded
@@ -547,7 +548,7 @@ def cmd_offload(args: argparse.Namespace) -> int:
     if offloaded or recovered or any(m["recovered"]["states_recorded"] for m in metas):
         # What the offload changed: the catalog's states (OFFLOADED), and the models over it and the tier.
         refreshed = [LEDGERS, "ledger_sizes", *(["tier_sizes"] if wh.exists(OFFLOAD_MANIFEST) else [])]
-        runs.append(_run(ASSET_JOB, instance, asset_selection=refreshed))
+        runs.append(_run(OFFLOAD_REFRESH_JOB, instance, asset_selection=refreshed))
     _print_materializations(*runs)
     # A check evaluated in several runs: failed when any run failed it.
     checks: dict[str, bool] = {}

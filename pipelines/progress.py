@@ -83,6 +83,10 @@ class Console:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the heartbeat and the stage lines of txn_engine's logger (idempotent)."""
         self._stop.set()
         logger = logging.getLogger("txnlake")
         for handler in [h for h in logger.handlers if isinstance(h, _ConsoleHandler) and h.console is self]:

@@ -67,6 +67,9 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
     assert ledger_partition_key(topic, first) in {r.asset_materialization.partition for r in offloads}
 
     assert len(instance.fetch_materializations(AssetKey("tier_sizes"), limit=1000).records) == tier_sizes_runs + 1
+    # The catalog's refresh after the offload is a named job's run, as every CLI run is.
+    [refresh] = instance.fetch_materializations(AssetKey("tier_sizes"), limit=1).records
+    assert instance.get_run_by_id(refresh.run_id).job_name == "catalog_after_offload"
 
     # Reading: one line per entry, whatever the payload; an unknown topic is an error naming the known ones.
     assert main(["read", topic, "--max", "2"]) == 0
@@ -224,7 +227,8 @@ def test_quickstart_is_make_run_in_one_process(warehouse, warehouse_root, tmp_pa
 
     demo = tmp_path / "data" / "demo.jsonl"
     assert main(["quickstart", "--entries", "1500", "--file", str(demo), "--quiet"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "started" not in err and "starting Spark" not in err, err  # --quiet reaches every step
     steps = [line.removeprefix("== txnlake ") for line in out.splitlines() if line.startswith("== txnlake ")]
     assert [s.split()[0] for s in steps] == ["generate", "ingest", "demo", "run", "snapshot", "offload"], steps
     assert "quickstart done in " in out and "6 steps, one process" in out
