@@ -203,9 +203,7 @@ def _check_paths_reach_executors(args: argparse.Namespace) -> None:
     from txn_engine.core.settings import conf_from_environment
     from txn_engine.log.input_files import check_readable_by_executors
 
-    for raw in args.paths:
-        if "://" not in raw:
-            check_readable_by_executors(raw, conf_from_environment().get("spark.master"))
+    check_readable_by_executors(args.paths, conf_from_environment().get("spark.master"))
 
 
 def cmd_import_kafka(args: argparse.Namespace) -> int:
@@ -498,8 +496,8 @@ def cmd_offload(args: argparse.Namespace) -> int:
         print(f"nothing to do: {why} (nothing was recorded)")
         _note_views_behind(wh)
         return 0
-    known = instance.get_dynamic_partitions(LEDGER_PARTITIONS.name)
-    missing = [k for k in ledger_keys(map(ledger_of_partition, keys)) if k not in set(known)]
+    known = set(instance.get_dynamic_partitions(LEDGER_PARTITIONS.name))
+    missing = [k for k in ledger_keys(map(ledger_of_partition, keys)) if k not in known]
     if missing:
         instance.add_dynamic_partitions(LEDGER_PARTITIONS.name, missing)
     # One run per range of ledger partitions; without LEDGER_IDs one range over every eligible

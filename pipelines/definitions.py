@@ -113,7 +113,7 @@ def derive_all_pending(wh, instance) -> list[str]:
 
 
 # Every asset is the Delta table of its name (but the views, which store nothing).
-ASSET_TABLES = set(views()) ^ {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])}
+ASSET_TABLES = {key.path[-1] for asset in ALL_ASSETS for key in (asset.keys if isinstance(asset, AssetsDefinition) else [asset.key])} - set(views())
 # Every table txnlake writes: the assets', the buffer's state tables and the engine's (one list: schema.py).
 MAINTAINED_TABLES = list(known_tables())
 maintenance_job, maintenance_schedule = table_maintenance(MAINTAINED_TABLES, ASSET_TABLES)

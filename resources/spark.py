@@ -77,8 +77,6 @@ _session: SparkSession | None = None
 _session_conf: dict[str, str] = {}
 _startup_seconds: float | None = None
 
-
-# A Spark (or spark.hadoop.*) property name: dotted words, e.g. spark.hadoop.fs.s3a.bucket.my-bucket.endpoint.
 def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = None) -> dict[str, str]:
     """Defaults, then the environment, then explicit settings (Dagster config, tests)."""
     merged = {**DEFAULT_SPARK_CONF, **conf_from_environment(), **(conf or {})}

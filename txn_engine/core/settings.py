@@ -45,6 +45,7 @@ def is_local_uri(uri: str) -> bool:
     return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
 
 
+# A Spark (or spark.hadoop.*) property name: dotted words, e.g. spark.hadoop.fs.s3a.bucket.my-bucket.endpoint.
 _PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w-]+)+)\s*=(.*)")
 
 

@@ -58,10 +58,10 @@ def check_input_files(paths: Sequence[str], master: str | None = None) -> None:
     `master` given, a plain local path is refused when executors run on other hosts."""
     if not paths:
         raise InputFileError("no input files given; name one or more .jsonl, .csv or .parquet files")
+    check_readable_by_executors(paths, master)
     for raw in paths:
         if "://" in raw and not raw.startswith("file:"):
             continue
-        check_readable_by_executors(raw, master)
         path = Path(raw[5:] if raw.startswith("file:") else raw)
         if not path.exists():
             raise missing_input(raw)
@@ -73,16 +73,18 @@ def check_input_files(paths: Sequence[str], master: str | None = None) -> None:
         _check_file(path, format_or_error(raw))
 
 
-def check_readable_by_executors(raw: str, master: str | None) -> None:
-    """Executors on other hosts cannot read a path of this one; a `file:` URI says every host
-    mounts it at the same place, so it passes."""
-    if master is None or executors_on_this_host(master) or raw.startswith("file:"):
+def check_readable_by_executors(paths: Sequence[str], master: str | None) -> None:
+    """Executors on other hosts cannot read a plain path of this one. A URI passes: a store's
+    (s3://, hdfs://) they reach, or a `file:` one, which says every host mounts it at the same place."""
+    if master is None or executors_on_this_host(master):
         return
-    absolute = Path(raw).resolve()
-    raise InputFileError(
-        f"input {raw} is a path on this host, but the executors of {master} run on other hosts and cannot "
-        f"read it: put it on the warehouse's store (e.g. s3://bucket/incoming/) or, if every worker mounts it "
-        f"at the same place, name it file://{absolute}")
+    for raw in paths:
+        if "://" in raw or raw.startswith("file:"):
+            continue
+        raise InputFileError(
+            f"input {raw} is a path on this host, but the executors of {master} run on other hosts and cannot "
+            f"read it: put it on the warehouse's store (e.g. s3://bucket/incoming/) or, if every worker mounts it "
+            f"at the same place, name it file://{Path(raw).resolve()}")
 
 
 def missing_input(raw: str) -> InputFileError:

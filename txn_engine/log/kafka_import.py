@@ -57,9 +57,8 @@ def resolve_segments(spark: SparkSession, paths: Sequence[str]) -> list[Segment]
     jvm = spark.sparkContext._jvm
     conf = spark.sparkContext._jsc.hadoopConfiguration()
     found: dict[str, Segment] = {}
+    check_readable_by_executors(paths, spark.sparkContext.master)
     for raw in paths:
-        if "://" not in raw:
-            check_readable_by_executors(raw, spark.sparkContext.master)
         path = jvm.org.apache.hadoop.fs.Path(raw)
         fs = path.getFileSystem(conf)
         if not fs.exists(path):
