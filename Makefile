@@ -12,10 +12,12 @@ DEMO_ENTRIES ?= 20000
 
 ## setup: create .venv, install the project (pinned), fetch the jars once (Delta Lake, S3A, and the
 ## Kafka broker the tests start: tests/kafka_broker.py) and compile the S3 log store
-## (resources/delta_jars.py; needs a JDK). Idempotent.
+## (resources/delta_jars.py; needs a JDK), then build the driver JVM's class archive once
+## (resources/jvm_archive.py: a small quickstart run). Idempotent.
 setup: $(INSTALLED)
 	@$(PY) -m resources.delta_jars check >/dev/null 2>&1 || $(PY) -m resources.delta_jars fetch
 	@$(PY) -m resources.kafka_jars check >/dev/null 2>&1 || $(PY) -m resources.kafka_jars fetch
+	@$(PY) -m pipelines.jvm_archive
 
 $(INSTALLED): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -33,6 +33,7 @@ from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
+from resources.jvm_archive import archive_dir, driver_java_options, empty_conf_dir
 from txn_engine.core.errors import ConfigurationError
 from txn_engine.core.settings import WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master, is_loopback_master
 
@@ -70,8 +71,6 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
 CODE_PACKAGES = ("txn_engine", "assets", "resources", "pipelines")
 CODE_ZIP_MAX_AGE_S = 30 * 24 * 3600  # past any session's life: its executors fetch the zip from the driver
 
-SPARK_CONF_DIR = Path(__file__).parent  # holds log4j2.properties, and no spark-defaults.conf
-
 _lock = threading.Lock()
 _session: SparkSession | None = None
 _session_conf: dict[str, str] = {}
@@ -93,7 +92,16 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
             _add_s3_jars(merged)
     if not is_local_master(merged["spark.master"]):
         _add_cluster_conf(merged)
+    options = driver_java_options(merged, _conf_dir())
+    if options:
+        merged["spark.driver.extraJavaOptions"] = " ".join(filter(None, [merged.get("spark.driver.extraJavaOptions", ""), *options]))
     return merged
+
+
+def _conf_dir() -> str:
+    """The driver's SPARK_CONF_DIR: the user's when set (a cluster's spark-defaults.conf wins), else
+    an empty one of ours (`resources.jvm_archive`)."""
+    return os.environ.get("SPARK_CONF_DIR") or str(archive_dir() / "conf")
 
 
 def _add_s3_jars(merged: dict[str, str]) -> None:
@@ -202,10 +210,11 @@ def get_spark(master: str | None = None, conf: Mapping[str, str] | None = None) 
             # Local mode (or a master on loopback) talks to this host only: bind to loopback, not to
             # whatever eth0 is. Elsewhere Spark advertises the host's address (docs/deployment.md).
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
-        # Our log4j2 configuration (log4j2.properties here), for the driver whatever the master:
+        # Our log4j2 configuration (`driver_java_options`), for the driver whatever the master:
         # without one Spark logs at INFO and announces its default profile on every start, burying
         # the CLI's story. A set conf dir (a cluster's spark-defaults.conf) wins.
-        os.environ.setdefault("SPARK_CONF_DIR", str(SPARK_CONF_DIR))
+        if not os.environ.get("SPARK_CONF_DIR"):
+            os.environ["SPARK_CONF_DIR"] = str(empty_conf_dir())
         if is_local_master(wanted["spark.master"]):
             # Python workers (the buffer kernel's and the snapshot index's Arrow UDFs) need this
             # interpreter's packages; PySpark would start the first `python3` on PATH. A set PYSPARK_PYTHON wins.
