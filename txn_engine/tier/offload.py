@@ -31,13 +31,15 @@ from txn_engine.buffer.refresh import (
     state_is_current,
     state_ledger_counts,
 )
+from txn_engine.buffer import kernel
 from txn_engine.buffer.kernel import TXN_KEY, ledger_drops, ledger_filter
-from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, position_le
+from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data, position_le
 from txn_engine.buffer.spark_runner import SparkDecisions, committed_rows, decide_full
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
+from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     BUFFER_DUPLICATES,
@@ -46,6 +48,7 @@ from txn_engine.core.schema import (
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
     BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
     LEDGERS,
@@ -54,6 +57,7 @@ from txn_engine.core.schema import (
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
     OFFLOADED_ENTRIES,
+    OFFLOADED_ENTRIES_SCHEMA,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
@@ -526,6 +530,59 @@ def _copy_ledgers(
     record_ledger_states(wh, [(t, l, "OFFLOADED", "offloaded to the filtered tier") for t, l in targets])
     lap("states")
     return rows
+
+
+@dataclass(frozen=True)
+class TierUncommitted:
+    """What the tier holds that a read-committed reader must never see (`tier_uncommitted`)."""
+
+    markers: int
+    entries_of_aborted_txns: int
+    entries_of_ongoing_txns: int
+
+    @property
+    def passed(self) -> bool:
+        return not (self.markers or self.entries_of_aborted_txns or self.entries_of_ongoing_txns)
+
+
+ONGOING = "ONGOING"  # `txn_decisions`' outcome of a transaction without a marker on its topic
+TXN_DECISIONS_DDL = "topic string, txn_most_bits long, txn_least_bits long, outcome string"
+
+
+def txn_decisions(ledger_txns: pa.Table) -> pa.Table:
+    """Per (topic, txn) of one topic's `buffer_ledger_txns` rows: the kernel's outcome
+    (`kernel.txns_from_ledger_txns`: its first marker's), ONGOING without one. Spark's grouped
+    Arrow function."""
+    txns = kernel.txns_from_ledger_txns(kernel.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
+    return pa.table({"topic": txns["topic"], "txn_most_bits": txns["txn_most_bits"], "txn_least_bits": txns["txn_least_bits"],
+                     "outcome": pc.fill_null(txns["outcome"], ONGOING)})
+
+
+def tier_uncommitted(wh: Warehouse) -> TierUncommitted:
+    """The tier's markers, and its DATA of transactions the buffer kernel decides aborted or ongoing.
+
+    Decided by the kernel over the tier's topics' log as it is now (`decide_full`: the offload may
+    have decided from entries newer than the buffer's tables), with the state's facts of the
+    ledgers no longer in the log (`buffer_ledger_txns` keeps those of the ledgers retention deleted,
+    whose markers are gone with them), folded per topic by `txn_decisions`."""
+    tier = wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
+    markers = tier.where(~is_data()).count()
+    txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
+    topics = sorted(r.topic for r in tier.select("topic").distinct().collect())  # a row per topic
+    if not topics:
+        return TierUncommitted(markers, 0, 0)
+    decided = decide_full(wh.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics)), topics=topics)
+    try:
+        facts = decided.table(BUFFER_LEDGER_TXNS)
+        if wh.exists(BUFFER_LEDGER_TXNS):
+            gone = (wh.read(BUFFER_LEDGER_TXNS).where(F.col("topic").isin(topics)).select(*facts.columns)
+                    .join(facts.select("topic", "ledger_id").distinct(), ["topic", "ledger_id"], "left_anti"))
+            facts = facts.unionByName(gone)
+        txns = facts.groupBy("topic").applyInArrow(txn_decisions, TXN_DECISIONS_DDL)
+        counts = {r.outcome: r["count"] for r in txn_rows.join(txns, list(TXN_KEY)).groupBy("outcome").count().collect()}
+    finally:
+        decided.unpersist()
+    return TierUncommitted(markers, counts.get(EntryType.ABORT.value, 0), counts.get(ONGOING, 0))
 
 
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
