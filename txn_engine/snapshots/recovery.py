@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
+from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter, position_lt
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, scan, version_key
 from txn_engine.log.ledgers import stale_catalog
@@ -158,7 +158,7 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
     se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
     lid, eid = rows.column("ledger_id"), rows.column("entry_id")
-    after = pc.or_(pc.greater(lid, sl), pc.and_(pc.equal(lid, sl), pc.greater(eid, se)))
+    after = position_lt(sl, se, lid, eid)
     rows = rows.filter(after)
     if rows.num_rows > limits.max_replayed_entries:
         return None

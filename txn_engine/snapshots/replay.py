@@ -77,7 +77,7 @@ def in_position_order(aborts: pa.StructArray) -> pa.StructArray:
         return aborts
     lid, eid = aborts.field("ledger_id"), aborts.field("entry_id")
     a_l, b_l, a_e, b_e = lid.slice(0, n - 1), lid.slice(1), eid.slice(0, n - 1), eid.slice(1)
-    if pc.all(pc.or_(pc.less(a_l, b_l), pc.and_(pc.equal(a_l, b_l), pc.less(a_e, b_e)))).as_py():
+    if pc.all(kernel.position_lt(a_l, a_e, b_l, b_e)).as_py():
         return aborts
     keys = [(c, "ascending") for c in ("ledger_id", "entry_id", "txn_most_bits", "txn_least_bits")]
     return aborts.take(pc.sort_indices(pa.RecordBatch.from_struct_array(aborts), sort_keys=keys))
