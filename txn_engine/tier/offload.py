@@ -573,27 +573,35 @@ def txn_decisions(ledger_txns: pa.Table) -> pa.Table:
 def tier_uncommitted(wh: Warehouse) -> TierUncommitted:
     """The tier's markers, and its DATA of transactions the buffer kernel decides aborted or ongoing.
 
-    Decided by the kernel over the tier's topics' log as it is now (`decide_full`: the offload may
-    have decided from entries newer than the buffer's tables), with the state's facts of the
-    ledgers no longer in the log (`buffer_ledger_txns` keeps those of the ledgers retention deleted,
-    whose markers are gone with them), folded per topic by `txn_decisions`."""
+    The kernel's facts per (ledger, transaction), folded per topic by `txn_decisions`: the buffer's
+    state (`buffer_ledger_txns`) when it describes the log as it is now (`_state_version`), which
+    keeps the facts of the ledgers retention deleted; else the kernel run over the tier's topics'
+    log (`decide_full`: the offload may have decided from entries newer than the buffer's tables),
+    with the state's facts of the ledgers no longer in the log."""
     tier = wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
     markers = tier.where(~is_data()).count()
     txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
     topics = sorted(r.topic for r in tier.select("topic").distinct().collect())  # a row per topic
     if not topics:
         return TierUncommitted(markers, 0, 0)
-    decided = decide_full(wh.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics)), topics=topics)
+    state_version = _state_version(wh, ledger_ranges_catalog(wh))
+    decided = None if state_version is not None else decide_full(
+        wh.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics)), topics=topics)
     try:
-        facts = decided.table(BUFFER_LEDGER_TXNS)
-        if wh.exists(BUFFER_LEDGER_TXNS):
-            gone = (wh.read(BUFFER_LEDGER_TXNS).where(F.col("topic").isin(topics)).select(*facts.columns)
-                    .join(facts.select("topic", "ledger_id").distinct(), ["topic", "ledger_id"], "left_anti"))
-            facts = facts.unionByName(gone)
-        txns = facts.groupBy("topic").applyInArrow(txn_decisions, TXN_DECISIONS_DDL)
+        if decided is None:
+            facts = _pinned(wh, BUFFER_LEDGER_TXNS, state_version).where(F.col("topic").isin(topics))
+        else:
+            facts = decided.table(BUFFER_LEDGER_TXNS)
+            if wh.exists(BUFFER_LEDGER_TXNS):
+                gone = (wh.read(BUFFER_LEDGER_TXNS).where(F.col("topic").isin(topics)).select(*facts.columns)
+                        .join(facts.select("topic", "ledger_id").distinct(), ["topic", "ledger_id"], "left_anti"))
+                facts = facts.unionByName(gone)
+        txns = facts.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(
+            txn_decisions, TXN_DECISIONS_DDL)
         counts = {r.outcome: r["count"] for r in txn_rows.join(txns, list(TXN_KEY)).groupBy("outcome").count().collect()}
     finally:
-        decided.unpersist()
+        if decided is not None:
+            decided.unpersist()
     return TierUncommitted(markers, counts.get(EntryType.ABORT.value, 0), counts.get(ONGOING, 0))
 
 
