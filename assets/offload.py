@@ -60,15 +60,13 @@ from assets.partitions import (
 )
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.buffer.kernel import TXN_KEY
-from txn_engine.log.spark_columns import has_txn, is_data, is_marker, position_lt
-from txn_engine.tier.offload import EMPTY_CHECKSUM, OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers
+from txn_engine.log.spark_columns import position_lt
+from txn_engine.tier.offload import (EMPTY_CHECKSUM, OffloadWaitingError, content_checksum, eligible_not_offloaded, offload_ledgers,
+                                     tier_uncommitted)
 from txn_engine.core.positions import ledger_of_partition, ledger_partition_key
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.tier.retention import DEFAULT_MAX_AGE, RetentionPolicy, apply_retention
 from txn_engine.core.schema import (
-    ABORTED_TXNS,
-    ABORTED_TXNS_SCHEMA,
     DELETED_LEDGERS,
     LEDGERS,
     LEDGER_ENTRIES,
@@ -77,8 +75,6 @@ from txn_engine.core.schema import (
     OFFLOADED_ENTRIES,
     OFFLOADED_ENTRIES_SCHEMA,
     STABLE_POSITIONS,
-    TXN_MARKERS,
-    TXN_MARKERS_SCHEMA,
 )
 
 GROUP = "offload"
@@ -323,27 +319,11 @@ def _tier_and_manifest(wh):
 @asset_check(asset=OFFLOADED_ENTRIES,
              description="The tier holds no marker and no entry of an aborted or ongoing transaction.")
 def tier_holds_only_committed_data(spark: SparkResource, warehouse: WarehouseResource) -> AssetCheckResult:
-    wh = warehouse.open(spark.session())
-    tier, _ = _tier_and_manifest(wh)
-    markers = tier.where(F.col("entry_type") != "DATA").count()
-    txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
-    # Decided by the log's own markers as well as the buffer's tables: the offload decides from
-    # `ledger_entries`, which may be newer than `txn_markers`/`aborted_txns` (an ingest since the
-    # last `txnlake run`), and a transaction committed there is not ongoing. First marker wins.
-    log = wh.read(LEDGER_ENTRIES).where(has_txn())
-    first_markers = log.where(is_marker()).groupBy(*TXN_KEY).agg(
-        F.min(F.struct("ledger_id", "entry_id", "entry_type")).alias("_m"))
-    aborted_txns = wh.read_or_empty(ABORTED_TXNS, ABORTED_TXNS_SCHEMA).select(*TXN_KEY).unionByName(
-        first_markers.where(F.col("_m.entry_type") == "ABORT").select(*TXN_KEY))
-    aborted = txn_rows.join(aborted_txns, list(TXN_KEY), "left_semi").count()
-    # Ongoing: data in the hot log and no marker. (A transaction whose ledgers retention deleted
-    # has no hot data left, so it cannot look ongoing here.)
-    decided = wh.read_or_empty(TXN_MARKERS, TXN_MARKERS_SCHEMA).select(*TXN_KEY).unionByName(first_markers.select(*TXN_KEY))
-    ongoing_txns = log.select(*TXN_KEY).distinct().join(decided, list(TXN_KEY), "left_anti")
-    ongoing = txn_rows.join(ongoing_txns, list(TXN_KEY), "left_semi").count()
+    found = tier_uncommitted(warehouse.open(spark.session()))
     return AssetCheckResult(
-        passed=not (markers or aborted or ongoing),
-        metadata={"markers": markers, "entries_of_aborted_txns": aborted, "entries_of_ongoing_txns": ongoing},
+        passed=found.passed,
+        metadata={"markers": found.markers, "entries_of_aborted_txns": found.entries_of_aborted_txns,
+                  "entries_of_ongoing_txns": found.entries_of_ongoing_txns},
     )
 
 

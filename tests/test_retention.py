@@ -27,7 +27,7 @@ from txn_engine.producers.engine import Engine
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.log.ingest import ingest_files
 from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.tier.offload import eligible_not_offloaded, offload_candidates, offload_ledgers
+from txn_engine.tier.offload import TierUncommitted, eligible_not_offloaded, offload_candidates, offload_ledgers, tier_uncommitted
 from txn_engine.tier.reader import TopicReader
 from pipelines.cli import main
 from txn_engine.core.log_types import LogEntry
@@ -139,6 +139,8 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
     # The offload sensor's decision (delta-rs, Python) still equals the Spark one with deleted ledgers.
     assert eligible_not_offloaded(wh) == offload_candidates(wh)
+    # The tier check's kernel decides the tier's transactions with the deleted ledgers' facts from the state.
+    assert tier_uncommitted(wh) == TierUncommitted(markers=0, entries_of_aborted_txns=0, entries_of_ongoing_txns=0)
     # deleted_ledgers keeps each one's last catalog row as it was, timestamps included (they go
     # through the driver: Spark hands them over as naive local times).
     for row in wh.read(DELETED_LEDGERS).collect():

@@ -1,17 +1,22 @@
-"""The row rules of the snapshot index (docs/snapshots.md, Bad rows), once, over Arrow.
+"""The rules of the snapshot index (docs/snapshots.md, Bad rows), once, over Arrow.
 
-Which keys are a topic's (`topic-end`, `topic-N`) and why a row of `txn_snapshot_segments`
-cannot be used. The driver's recovery (`snapshots.recovery`) calls them on the table it reads; the
-Spark jobs (`snapshots.jobs`) run the same functions as Arrow UDFs. Spark's Python workers import
-this module, so the UDFs' functions are at top level and its imports stay light (no Spark).
+Which keys are a topic's (`topic-end`, `topic-N`), why a row of `txn_snapshot_segments` cannot be
+used, and which rows make a topic's live snapshot (`live_snapshot_index`). The driver's recovery
+(`snapshots.recovery`) calls them on the table it reads; the Spark jobs (`snapshots.jobs`) run the
+row rules as Arrow UDFs and the index over the rows' narrow columns collected (a row per segment
+row, no aborts). Spark's Python workers import this module, so the UDFs' functions are at top level
+and its imports stay light (no Spark).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from txn_engine.core.positions import Position
 from txn_engine.snapshots.format import END_SUFFIX
 
 BAD_REASON = "bad_reason"  # the column the Spark jobs append: null for a usable row
@@ -97,3 +102,84 @@ def bad_row_reasons(segments: pa.Table | pa.RecordBatch) -> pa.Array:
 def bad_row_reasons_of(rows: pa.Array) -> pa.Array:
     """`bad_row_reasons` of rows packed in one struct of `RULE_COLUMNS`, as Spark's Arrow UDF gets them."""
     return bad_row_reasons(pa.RecordBatch.from_struct_array(rows))
+
+
+# What `live_snapshot_index` reads of each segment row: the index columns, why the row cannot be
+# used (`BAD_REASON`, from `bad_row_reasons`) and how many aborts it holds (`ABORT_SIZE`).
+INDEX_COLUMNS = ("topic", "snapshot_key", "write_seq", "tombstone", "snapshot_id", "segment_index", "segment_count",
+                 "abort_count", "max_read_ledger_id", "max_read_entry_id")
+ABORT_SIZE = "abort_size"
+
+
+@dataclass(frozen=True)
+class IndexedSnapshot:
+    """One topic of the snapshot index: its live snapshot (rows: parts in order, then the end), or why none."""
+
+    topic: str
+    snapshot_id: int | None = None
+    max_read: Position | None = None
+    rows: tuple[int, ...] = ()
+    fallback_reason: str | None = None
+    segment_count: int | None = None
+    abort_count: int | None = None
+
+
+def live_snapshot_index(segments: pa.Table) -> dict[str, IndexedSnapshot]:
+    """Per topic with segment rows, its live snapshot or why it cannot be used; `rows` are row
+    numbers of `segments` (`INDEX_COLUMNS`, `BAD_REASON`, `ABORT_SIZE`).
+
+    A topic with a bad row falls back (the first reason by text); else its live snapshot is named
+    by its latest `topic-end` unless that is a tombstone, and is made of the latest row of each of
+    its part numbers written for that snapshot id; it must have them all and hold `abort_count` aborts.
+    """
+    meta = segments.select(list(INDEX_COLUMNS)).to_pylist()
+    reasons = _array(segments.column(BAD_REASON)).to_pylist()
+    sizes = pc.fill_null(_array(segments.column(ABORT_SIZE)), 0).to_pylist()
+    is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
+
+    bad: dict[str, str] = {}
+    ends: dict[str, int] = {}  # topic -> row of its latest good topic-end
+    for i, (row, why) in enumerate(zip(meta, reasons)):
+        topic = row["topic"]
+        if topic is None:
+            continue
+        if why is not None:
+            bad[topic] = min(bad.get(topic, why), why)
+        elif is_end[i] and (topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
+            ends[topic] = i
+    live = {t: i for t, i in ends.items() if not meta[i]["tombstone"]}
+    parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
+    for i, (row, why) in enumerate(zip(meta, reasons)):
+        end = live.get(row["topic"])
+        if why is not None or end is None or row["tombstone"] or is_end[i]:
+            continue
+        e = meta[end]
+        if row["snapshot_id"] == e["snapshot_id"] and row["segment_index"] < e["segment_count"]:
+            mine = parts.setdefault(row["topic"], {})
+            j = mine.get(row["segment_index"])
+            if j is None or row["write_seq"] > meta[j]["write_seq"]:
+                mine[row["segment_index"]] = i
+
+    index = {}
+    for topic in sorted({r["topic"] for r in meta if r["topic"] is not None}):
+        end = live.get(topic)
+        if topic in bad:
+            index[topic] = IndexedSnapshot(topic, fallback_reason=bad[topic])
+            continue
+        if end is None:
+            index[topic] = IndexedSnapshot(topic, fallback_reason=f"no live '{topic}-end' segment (no completed snapshot)")
+            continue
+        e = meta[end]
+        mine = parts.get(topic, {})
+        rows = (*(mine[k] for k in sorted(mine)), end)
+        held = sum(sizes[i] for i in rows)
+        reason = None
+        if len(mine) != e["segment_count"] - 1:
+            reason = (f"snapshot {e['snapshot_id']} lacks {e['segment_count'] - 1 - len(mine)} of its "
+                      f"{e['segment_count']} segments")
+        elif held != e["abort_count"]:
+            reason = f"snapshot {e['snapshot_id']} holds {held} aborts, its index says {e['abort_count']}"
+        index[topic] = IndexedSnapshot(topic, fallback_reason=reason) if reason is not None else IndexedSnapshot(
+            topic, e["snapshot_id"], Position(e["max_read_ledger_id"], e["max_read_entry_id"]), rows,
+            segment_count=e["segment_count"], abort_count=e["abort_count"])
+    return index

@@ -6,8 +6,9 @@ The same design as the reference `txn_engine.reference.snapshots` (the oracle; d
   commit under the table's writer lock (write_seq allocated under it: unique and increasing);
 - `compacted_segments` is the compaction rule, `compact_segments` applies it in one commit;
 - `recover_buffer_states`: the live snapshot by its index, its aborts minus those of DELETED
-  ledgers, plus a replay of the tail through the buffer kernel; topics without a usable snapshot
-  are replayed in full. The asset recovers in the driver (`snapshots.recovery`): this plan is its
+  ledgers, plus a replay of the tail; topics without a usable snapshot are replayed in full. Each
+  topic's replay is `snapshots.replay.replay_topic` in a Python worker, the function the driver's
+  recovery (`snapshots.recovery`) calls: the asset recovers in the driver, this plan is its
   fallback for a large tail, and what the tests hold it equal to;
 - `snapshot_states`: the triggers and per-topic state (NO_SNAPSHOT / INITIALIZING / READY).
 """
@@ -26,18 +27,17 @@ from pyspark.sql import functions as F
 from pyspark.sql.functions import arrow_udf
 from pyspark.sql.types import IntegerType, StringType
 
-from txn_engine.buffer.kernel import NARROW_COLUMNS, TXN_KEY, require_ledger_entries
+from txn_engine.buffer.kernel import NARROW_COLUMNS, require_ledger_entries
 from txn_engine.log.spark_columns import conform, has_txn, is_marker, position_lt
-from txn_engine.buffer.spark_runner import decide_full
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.log.ledgers import recorded_deleted_ledgers
+from txn_engine.core.positions import Position
 from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
     LEDGER_ENTRIES,
-    LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
     RECOVERED_BUFFER_STATE_SCHEMA,
     STABLE_POSITIONS,
@@ -45,12 +45,11 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
-from txn_engine.snapshots.index import BAD_REASON, RULE_COLUMNS, bad_row_reasons_of, part_numbers
+from txn_engine.snapshots.index import (ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, RULE_COLUMNS, bad_row_reasons_of,
+                                        live_snapshot_index, part_numbers)
+from txn_engine.snapshots.replay import anchor_position, full_replay_rows, replayed_rows
 from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
-
-# Columns the buffer kernel never reads (NARROW_COLUMNS are the ones it does).
-UNUSED_BY_REPLAY = tuple(c for c in LEDGER_ENTRY_COLUMNS if c not in NARROW_COLUMNS)
 
 # The writer's steps, in order; `after_commit` hooks receive them (tests inject crashes there).
 PARTS, ENDS, TOMBSTONES = "parts", "ends", "tombstones"
@@ -79,9 +78,13 @@ def part_number() -> Column:
 
 def checked_segments(segments: DataFrame) -> DataFrame:
     """`segments` with `bad_reason`: why a row cannot be used (null when it can), checked before
-    recovery trusts it. Checkpointed: the index reads the rows several times, and each read
-    would run the rules in a Python worker again."""
-    return segments.withColumn(BAD_REASON, _bad_row_reason(F.struct(*RULE_COLUMNS))).localCheckpoint()
+    recovery trusts it, and `_row`, the row's identity for the index. Checkpointed: the index reads
+    the rows several times, and each read would run the rules in a Python worker again."""
+    return (segments.withColumn(BAD_REASON, _bad_row_reason(F.struct(*RULE_COLUMNS)))
+            .withColumn(_ROW, F.monotonically_increasing_id()).localCheckpoint())
+
+
+_ROW = "_row"
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -385,42 +388,29 @@ def live_snapshots(segments: DataFrame) -> DataFrame:
 
 
 def _live_snapshots(checked: DataFrame) -> DataFrame:
-    """`live_snapshots` of `checked_segments`."""
-    bad = checked.where(F.col(BAD_REASON).isNotNull()).groupBy("topic").agg(F.min(BAD_REASON).alias("_bad_reason"))
-    good = checked.where(F.col(BAD_REASON).isNull()).drop(BAD_REASON)
-    ends = live_ends(good).select(
-        "topic", "snapshot_id", "max_read_ledger_id", "max_read_entry_id", "segment_count", "abort_count",
-        F.col("aborts").alias("_end_aborts"),
+    """`live_snapshots` of `checked_segments`: `index.live_snapshot_index` over the rows' index
+    columns, collected (a row per segment row, no aborts); then each live snapshot's aborts, its
+    rows' arrays in order, joined in Spark."""
+    spark = checked.sparkSession
+    size = F.when(F.col("aborts").isNull(), F.lit(None)).otherwise(F.size("aborts")).alias(ABORT_SIZE)
+    meta = checked.select(*INDEX_COLUMNS, BAD_REASON, size, _ROW).toArrow()
+    index = live_snapshot_index(meta)
+    row_ids = meta.column(_ROW).to_pylist()
+    plan = local_frame(spark, [
+        (s.topic, s.snapshot_id, s.max_read and s.max_read.ledger_id, s.max_read and s.max_read.entry_id, s.segment_count,
+         s.abort_count, s.fallback_reason) for s in index.values()],
+        "topic string, snapshot_id long, max_read_ledger_id long, max_read_entry_id long, segment_count int, "
+        "abort_count long, fallback_reason string")
+    picks = local_frame(spark, [(s.topic, n, row_ids[i]) for s in index.values() for n, i in enumerate(s.rows)],
+                        f"topic string, _n int, {_ROW} long")
+    aborts = (
+        checked.select(_ROW, "aborts").join(F.broadcast(picks), _ROW)
+        .groupBy("topic").agg(F.array_sort(F.collect_list(F.struct("_n", "aborts"))).alias("_ordered"))
+        .select("topic", F.flatten(F.transform("_ordered", lambda p: p["aborts"])).alias("aborts"))
     )
-    in_snapshot = Window.partitionBy("topic", "segment_index").orderBy(F.col("write_seq").desc())
-    parts = (
-        good.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
-        .join(ends.select("topic", F.col("snapshot_id").alias("_sid"), F.col("segment_count").alias("_n")), "topic")
-        .where((F.col("snapshot_id") == F.col("_sid")) & (F.col("segment_index") < F.col("_n")))
-        .withColumn("_r", F.row_number().over(in_snapshot)).where("_r = 1")
-        .groupBy("topic")
-        .agg(F.count("*").alias("_parts"),
-             F.array_sort(F.collect_list(F.struct("segment_index", "aborts"))).alias("_ordered"))
-    )
-    topics = checked.select("topic").where(F.col("topic").isNotNull()).distinct()
-    joined = topics.join(bad, "topic", "left").join(ends, "topic", "left").join(parts, "topic", "left")
-    all_aborts = F.when(F.col("_ordered").isNull(), F.col("_end_aborts")).otherwise(
-        F.concat(F.flatten(F.transform("_ordered", lambda p: p["aborts"])), F.col("_end_aborts")))
-    n_parts = F.coalesce("_parts", F.lit(0))
-    reason = (
-        F.when(F.col("_bad_reason").isNotNull(), F.col("_bad_reason"))
-        .when(F.col("snapshot_id").isNull(), F.format_string("no live '%s-end' segment (no completed snapshot)", "topic"))
-        .when(n_parts != F.col("segment_count") - 1,
-              F.format_string("snapshot %d lacks %d of its %d segments", "snapshot_id",
-                              F.col("segment_count") - 1 - n_parts, "segment_count"))
-        .when(F.size(all_aborts) != F.col("abort_count"),
-              F.format_string("snapshot %d holds %d aborts, its index says %d", "snapshot_id", F.size(all_aborts),
-                              "abort_count"))
-    )
-    return joined.select(
-        "topic", "snapshot_id", "max_read_ledger_id", "max_read_entry_id", "segment_count", "abort_count",
-        F.when(reason.isNull(), all_aborts).alias("aborts"), reason.alias("fallback_reason"),
-    )
+    return plan.join(aborts, "topic", "left").select(
+        "topic", "snapshot_id", "max_read_ledger_id", "max_read_entry_id", "segment_count", "abort_count", "aborts",
+        "fallback_reason")
 
 
 def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: DataFrame) -> DataFrame:
@@ -428,14 +418,8 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
 
     `entries`: ledger_entries; `segments`: txn_snapshot_segments; `deleted`: (topic, ledger_id)
     of DELETED ledgers. Collects the (tiny) per-topic snapshot index to plan the replay.
-
-    The snapshot's abort set stays an array from segments to result: trimmed with a filter, and
-    followed by the replay's new aborts, which all lie after it (a new abort's marker comes after
-    the snapshot's last entry, or the snapshot would hold it); should they not, the whole set is
-    sorted. Only the aborted transactions that the replay meets are exploded.
     """
     require_ledger_entries(entries)
-    spark = entries.sparkSession
     index = live_snapshots(segments).localCheckpoint()
     deleted = deleted.select("topic", "ledger_id").distinct()
     deleted_by_topic = deleted.groupBy("topic").agg(F.collect_set("ledger_id").alias("_deleted"))
@@ -447,83 +431,42 @@ def recover_buffer_states(entries: DataFrame, segments: DataFrame, deleted: Data
                 F.col("max_read_entry_id").alias("_se"), F.filter("aborts", not_deleted).alias("_kept"))
     )
     snap = snap.localCheckpoint()
-    positions = snap.select("topic", "snapshot_id", "_sl", "_se")
-    # Materialized once, narrow: the buffer jobs scan their input several times, and the replay
-    # needs no payload, so ledger_entries is read once and only its narrow columns.
-    replay = _replay_input(spark, entries, positions, snap.select("topic", "_kept"), deleted).select(
-        *[F.lit(None).cast(f.dataType).alias(f.name) if f.name in UNUSED_BY_REPLAY else F.col(f.name)
-          for f in LEDGER_ENTRIES_SCHEMA.fields], "_anchor").localCheckpoint()
-    decided = decide_full(replay, persist=False)
-    replayed = replay.where(~F.col("_anchor")).groupBy("topic").agg(F.count("*").alias("replayed_entries"))
     reasons = index.select("topic", F.col("fallback_reason").alias("_reason"))
     joined = (
-        decided.table(STABLE_POSITIONS)
-        .join(abort_sets(decided.table(ABORTED_TXNS)).withColumnRenamed("aborts", "_new"), "topic", "left")
-        .join(snap.select("topic", "snapshot_id", "_kept"), "topic", "left")
+        replayed_states(entries, snap, deleted)
+        .join(snap.select("topic", "snapshot_id"), "topic", "left")
         .join(reasons, "topic", "left")
-        .join(replayed, "topic", "left")
     )
-    kept, new = F.coalesce("_kept", _empty_aborts()), F.coalesce("_new", _empty_aborts())
-    last_kept, first_new = F.try_element_at(kept, F.lit(-1)), F.try_element_at(new, F.lit(1))
-    in_order = (F.size(kept) == 0) | (F.size(new) == 0) | position_lt(
-        last_kept["ledger_id"], last_kept["entry_id"], first_new["ledger_id"], first_new["entry_id"])
-    aborts = F.when(in_order, F.concat(kept, new)).otherwise(_sorted_by_position(F.concat(kept, new)))
     result = joined.select(
-        "topic", "max_read_ledger_id", "max_read_entry_id", aborts.alias("aborts"), "snapshot_id",
+        "topic", "max_read_ledger_id", "max_read_entry_id", "aborts", "snapshot_id",
         F.when(F.col("snapshot_id").isNotNull(), F.lit(Source.SNAPSHOT.value))
         .otherwise(F.lit(Source.FULL_REPLAY.value)).alias("source"),
         F.when(F.col("snapshot_id").isNull(), F.coalesce("_reason", F.lit("no snapshot yet"))).alias("fallback_reason"),
-        F.coalesce("replayed_entries", F.lit(0)).alias("replayed_entries"),
+        "replayed_entries",
     )
     return conform(result, RECOVERED_BUFFER_STATE_SCHEMA)
 
 
-def _sorted_by_position(aborts: Column) -> Column:
-    by_position = F.array_sort(F.transform(aborts, lambda a: F.struct(
-        a["ledger_id"].alias("l"), a["entry_id"].alias("e"), a["txn_most_bits"].alias("m"), a["txn_least_bits"].alias("t"))))
-    return F.transform(by_position, lambda a: F.struct(
-        a["m"].alias("txn_most_bits"), a["t"].alias("txn_least_bits"), a["l"].alias("ledger_id"), a["e"].alias("entry_id")))
+REPLAYED_DDL = (f"topic string, max_read_ledger_id long, max_read_entry_id long, aborts array<{ABORT_STRUCT.simpleString()}>, "
+                "replayed_entries long")  # `replay.REPLAYED_SCHEMA`
 
 
-def _replay_input(spark, entries: DataFrame, snap: DataFrame, kept: DataFrame, deleted: DataFrame) -> DataFrame:
-    """The entries the buffer jobs replay, with the snapshot's state carried in:
-
-    - topics without a usable snapshot: all their entries (a full replay);
-    - topics with one (`snap`: topic, snapshot_id, _sl, _se): the entries after its max read
-      position, where every entry of a transaction in the snapshot's trimmed abort set (`kept`:
-      topic, _kept) is made plain (no transaction, no sequence): such a transaction is closed, so
-      a later marker is a duplicate and later data is late, both only moving the log's end,
-      exactly as the full replay treats them;
-    - plus, per snapshot topic, one plain "anchor" entry at the last remaining position at or
-      before the max read position: the log's end so far and the previous non-empty ledger of the
-      position-before rule. It is the max read position itself unless that ledger was deleted.
-    A `_anchor` column tells the anchors apart.
-    """
-    bounds = snap.select("topic", "_sl").collect()  # one row per snapshot topic
-    no_snapshot = entries_without_snapshot(entries, [r.topic for r in bounds])
-    after = entries_after_snapshots(entries, snap, min((r._sl for r in bounds), default=None))
-    # The replay after a snapshot is short (the triggers keep it so): broadcast its transactions
-    # and explode only the snapshot's aborts, never shuffle them.
-    met = after.where(has_txn()).select(*TXN_KEY).distinct()
-    closed = (
-        kept.select("topic", F.explode("_kept").alias("a"))
-        .select("topic", F.col("a.txn_most_bits").alias("txn_most_bits"), F.col("a.txn_least_bits").alias("txn_least_bits"))
-        .join(F.broadcast(met), list(TXN_KEY), "left_semi")
-        .withColumn("_closed", F.lit(True))
-    )
-    after = after.join(F.broadcast(closed), list(TXN_KEY), "left")
-    plain = F.col("_closed").isNotNull()
-    made_plain = ("entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id")
-    after = after.select(
-        *[c for c in LEDGER_ENTRY_COLUMNS if c not in made_plain],
-        F.when(plain, F.lit("DATA")).otherwise(F.col("entry_type")).alias("entry_type"),
-        *[F.when(plain, F.lit(None)).otherwise(F.col(c)).alias(c) for c in made_plain[1:]],
-    ).select(*LEDGER_ENTRY_COLUMNS)
-    anchors = _anchors(spark, entries, snap, deleted)
-    return (
-        no_snapshot.unionByName(after).withColumn("_anchor", F.lit(False))
-        .unionByName(anchors.withColumn("_anchor", F.lit(True)))
-    )
+def replayed_states(entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> DataFrame:
+    """Per topic with entries, `replay.replay_topic` run in a Python worker: after its snapshot
+    (`snap`: topic, _sl, _se (its max read position), _kept (its trimmed aborts)) the entries after
+    the max read position, cogrouped with the aborts and the anchor; without one all its entries,
+    alone (the full replay). Columns: `replay.REPLAYED_SCHEMA`."""
+    bounds = snap.select("topic", "_sl", "_se").collect()  # one row per snapshot topic
+    anchors = _anchors(entries, bounds, deleted)
+    tails = entries_without_snapshot(entries, [r.topic for r in bounds]).unionByName(
+        entries_after_snapshots(entries, snap.select("topic", "_sl", "_se"), min((r._sl for r in bounds), default=None))
+        .select(*LEDGER_ENTRY_COLUMNS))
+    side = snap.select("topic", "_kept").join(
+        F.broadcast(local_frame(entries.sparkSession, [(t, a and a.ledger_id, a and a.entry_id) for t, a in anchors.items()],
+                                "topic string, _anchor_ledger_id long, _anchor_entry_id long")), "topic", "left")
+    # Narrow: the replay needs no payload, so ledger_entries' narrow columns alone are shuffled.
+    return tails.select(*NARROW_COLUMNS).groupBy("topic").cogroup(side.groupBy("topic")).applyInArrow(
+        replayed_rows, REPLAYED_DDL)
 
 
 def entries_after_snapshots(entries: DataFrame, snap: DataFrame, lowest_ledger: int | None) -> DataFrame:
@@ -554,56 +497,37 @@ def entries_without_snapshot(entries: DataFrame, snapshot_topics: Sequence[str])
     return entries.where(F.col("topic").isin(others) if others else F.lit(False)).select(*LEDGER_ENTRY_COLUMNS)
 
 
-def _anchors(spark, entries: DataFrame, snap: DataFrame, deleted: DataFrame) -> DataFrame:
-    """One plain entry per snapshot topic at the last remaining position <= its max read position."""
-    marked = snap.where(F.col("_se") >= 0).join(
-        F.broadcast(deleted.select("topic", F.col("ledger_id").alias("_sl"), F.lit(True).alias("_gone"))),
-        ["topic", "_sl"], "left",
-    )
-    # The max read position is an entry of the log; only when its ledger was deleted since must
-    # the log be searched for the last entry before it (a narrow scan of those topics only).
-    kept = marked.where(F.col("_gone").isNull()).select("topic", F.col("_sl").alias("ledger_id"),
-                                                          F.col("_se").alias("entry_id"))
-    gone = [(r.topic, r._sl) for r in marked.where(F.col("_gone").isNotNull()).select("topic", "_sl").collect()]
-    positions = kept
+def _anchors(entries: DataFrame, bounds: list, deleted: DataFrame) -> dict[str, Position | None]:
+    """`replay.anchor_position` of each snapshot topic (`bounds`: topic, _sl, _se). The max read
+    position is an entry of the log; only when its ledger was deleted since is the log searched for
+    the last entry before it (a narrow scan of those topics only)."""
+    spark = entries.sparkSession
+    at = local_frame(spark, [(r.topic, r._sl) for r in bounds], "topic string, ledger_id long")
+    gone = {(r.topic, r.ledger_id) for r in deleted.join(F.broadcast(at), ["topic", "ledger_id"], "left_semi").collect()}
+    last_before: dict[str, Position] = {}
     if gone:
-        bound = local_frame(spark, gone, "topic string, _sl long")
+        bound = local_frame(spark, sorted(gone), "topic string, _sl long")
         earlier = (
-            entries.select("topic", "ledger_id", "entry_id").where(F.col("topic").isin([t for t, _ in gone]))
+            entries.select("topic", "ledger_id", "entry_id").where(F.col("topic").isin(sorted({t for t, _ in gone})))
             .join(F.broadcast(bound), "topic").where(F.col("ledger_id") < F.col("_sl"))
-            .groupBy("topic").agg(F.max("ledger_id").alias("ledger_id"), F.max_by("entry_id", "ledger_id").alias("_e"))
+            .groupBy("topic").agg(F.max("ledger_id").alias("ledger_id"))
         )
-        # max_by picks some entry of the last ledger; its last entry is the max within it.
         last = (
             entries.select("topic", "ledger_id", "entry_id")
-            .join(F.broadcast(earlier.select("topic", "ledger_id")), ["topic", "ledger_id"])
+            .join(F.broadcast(earlier), ["topic", "ledger_id"])
             .groupBy("topic", "ledger_id").agg(F.max("entry_id").alias("entry_id"))
         )
-        positions = positions.unionByName(last)
-    plain_columns = [
-        F.lit("DATA").alias("entry_type"),
-        *[F.lit(None).cast(f.dataType).alias(f.name) for f in LEDGER_ENTRIES_SCHEMA.fields
-          if f.name not in ("topic", "ledger_id", "entry_id", "entry_type")],
-    ]
-    return positions.select("topic", "ledger_id", "entry_id", *plain_columns).select(*LEDGER_ENTRY_COLUMNS)
+        last_before = {r.topic: Position(r.ledger_id, r.entry_id) for r in last.collect()}
+    return {r.topic: anchor_position(Position(r._sl, r._se), {ledger for t, ledger in gone if t == r.topic},
+                                     lambda _ledger, topic=r.topic: last_before.get(topic))
+            for r in bounds}
 
 
 def full_replay_states(entries: DataFrame) -> DataFrame:
     """The truth recovery must equal: per topic, the max read position and the abort set of a
-    replay of all of `ledger_entries` (the buffer kernel), in the recovered table's shape."""
-    decided = decide_full(entries, persist=False)
-    return decided.table(STABLE_POSITIONS).join(abort_sets(decided.table(ABORTED_TXNS)), "topic", "left").select(
-        "topic", "max_read_ledger_id", "max_read_entry_id", F.coalesce(F.col("aborts"), _empty_aborts()).alias("aborts"))
-
-
-def abort_sets(aborted: DataFrame) -> DataFrame:
-    """Per topic, the `aborted_txns` rows as one array of ABORT_STRUCT in abort-marker order (`aborts`)."""
-    ordered = aborted.groupBy("topic").agg(F.array_sort(F.collect_list(F.struct(
-        "abort_ledger_id", "abort_entry_id", "txn_most_bits", "txn_least_bits"))).alias("_sorted"))
-    return ordered.select("topic", F.transform("_sorted", lambda a: F.struct(
-        a["txn_most_bits"].alias("txn_most_bits"), a["txn_least_bits"].alias("txn_least_bits"),
-        a["abort_ledger_id"].alias("ledger_id"), a["abort_entry_id"].alias("entry_id"))).alias("aborts"))
-
+    replay of all of `ledger_entries` (`replay.replay_topic` with no snapshot), in the recovered
+    table's shape, with `replayed_entries`."""
+    return entries.select(*NARROW_COLUMNS).groupBy("topic").applyInArrow(full_replay_rows, REPLAYED_DDL)
 
 
 def recovery_mismatches(recovered: DataFrame, full: DataFrame) -> DataFrame:

@@ -4,8 +4,8 @@ Recovery's work is small (a snapshot index of a few rows, one abort array per to
 after the snapshots), but on Spark it is ~10 jobs whose fixed cost exceeds a full replay
 (docs/snapshots.md, "Recovery in the driver"). This path reads the segments, `ledger_states` and
 the tail of `ledger_entries` with delta-rs (file statistics skip older ledgers), replays the tail
-through the buffer kernel (the Spark path's input, `_replay_input`), keeps the abort set as Arrow,
-and writes `recovered_buffer_state` in one delta-rs commit. Its result is the Spark path's
+with `snapshots.replay.replay_topic` (what the Spark path runs per topic), keeps the abort set as
+Arrow, and writes `recovered_buffer_state` in one delta-rs commit. Its result is the Spark path's
 (`snapshots.jobs.recover_buffer_states`, the same row rules of `snapshots.index`), tested equal
 row for row and to the full replay. Spark still does what is large: topics without a usable
 snapshot, and a tail beyond `DriverLimits`.
@@ -24,16 +24,12 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.buffer import kernel
-from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
-from txn_engine.storage.arrow_frames import arrow_schema, arrow_type
+from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter, position_lt
+from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, scan, version_key
 from txn_engine.log.ledgers import stale_catalog
-from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
-    ABORT_STRUCT,
-    ABORTED_TXNS,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_STATES_LOG,
@@ -42,16 +38,15 @@ from txn_engine.core.schema import (
     LEDGERS_SCHEMA,
     RECOVERED_BUFFER_STATE,
     RECOVERED_BUFFER_STATE_SCHEMA,
-    STABLE_POSITIONS,
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
 from txn_engine.snapshots.jobs import full_replay_states, recover_from_warehouse
-from txn_engine.snapshots.index import bad_row_reasons, end_keys
+from txn_engine.snapshots.index import ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, IndexedSnapshot, bad_row_reasons, live_snapshot_index
 from txn_engine.snapshots.format import Source
+from txn_engine.snapshots.replay import ABORTS_TYPE, anchor_position, replay_topic
 from txn_engine.storage.warehouse import Warehouse
 
-ABORTS_TYPE = arrow_type(ABORT_STRUCT)
 RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
 
 
@@ -73,72 +68,14 @@ class RecoverySummary:
     seconds: dict[str, float] = field(default_factory=dict)  # per step
 
 
-# -- the snapshot index over Arrow rows (the rules of snapshots.jobs.live_snapshots) -----------------
-
-@dataclass(frozen=True)
-class IndexedSnapshot:
-    """One topic of the snapshot index: its live snapshot (rows: parts in order, then the end), or why none."""
-
-    topic: str
-    snapshot_id: int | None = None
-    max_read: Position | None = None
-    rows: tuple[int, ...] = ()
-    fallback_reason: str | None = None
-
+# -- the snapshot index over Arrow rows (`snapshots.index.live_snapshot_index`) -------------------
 
 def snapshot_index(segments: pa.Table) -> tuple[dict[str, IndexedSnapshot], pa.ListArray]:
     """Per topic with segment rows, its live snapshot or why it cannot be used; and the aborts column."""
-    meta = segments.drop_columns(["aborts"]).to_pylist()
     aborts = segments.column("aborts").combine_chunks() if segments.num_rows else pa.array([], pa.list_(ABORTS_TYPE))
-    sizes = pc.fill_null(pc.list_value_length(aborts), 0).to_pylist()
-    reasons = bad_row_reasons(segments).to_pylist()
-    is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
-
-    bad: dict[str, str] = {}
-    ends: dict[str, int] = {}  # topic -> row of its latest good topic-end
-    for i, (row, why) in enumerate(zip(meta, reasons)):
-        topic = row["topic"]
-        if topic is None:
-            continue
-        if why is not None:
-            bad[topic] = min(bad.get(topic, why), why)
-        elif is_end[i] and (topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
-            ends[topic] = i
-    live = {t: i for t, i in ends.items() if not meta[i]["tombstone"]}
-    parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
-    for i, (row, why) in enumerate(zip(meta, reasons)):
-        end = live.get(row["topic"])
-        if why is not None or end is None or row["tombstone"] or is_end[i]:
-            continue
-        e = meta[end]
-        if row["snapshot_id"] == e["snapshot_id"] and row["segment_index"] < e["segment_count"]:
-            mine = parts.setdefault(row["topic"], {})
-            j = mine.get(row["segment_index"])
-            if j is None or row["write_seq"] > meta[j]["write_seq"]:
-                mine[row["segment_index"]] = i
-
-    index = {}
-    for topic in sorted({r["topic"] for r in meta if r["topic"] is not None}):
-        end = live.get(topic)
-        if topic in bad:
-            index[topic] = IndexedSnapshot(topic, fallback_reason=bad[topic])
-            continue
-        if end is None:
-            index[topic] = IndexedSnapshot(topic, fallback_reason=f"no live '{topic}-end' segment (no completed snapshot)")
-            continue
-        e = meta[end]
-        mine = parts.get(topic, {})
-        rows = (*(mine[k] for k in sorted(mine)), end)
-        held = sum(sizes[i] for i in rows)
-        reason = None
-        if len(mine) != e["segment_count"] - 1:
-            reason = (f"snapshot {e['snapshot_id']} lacks {e['segment_count'] - 1 - len(mine)} of its "
-                      f"{e['segment_count']} segments")
-        elif held != e["abort_count"]:
-            reason = f"snapshot {e['snapshot_id']} holds {held} aborts, its index says {e['abort_count']}"
-        index[topic] = IndexedSnapshot(topic, e["snapshot_id"], Position(e["max_read_ledger_id"], e["max_read_entry_id"]),
-                                       rows, reason) if reason is None else IndexedSnapshot(topic, fallback_reason=reason)
-    return index, aborts
+    rows = segments.select(list(INDEX_COLUMNS)).append_column(BAD_REASON, bad_row_reasons(segments)).append_column(
+        ABORT_SIZE, pc.list_value_length(aborts))
+    return live_snapshot_index(rows), aborts
 
 
 def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[int]) -> pa.StructArray:
@@ -161,65 +98,6 @@ def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
         if state == "DELETED":
             deleted.setdefault(topic, set()).add(ledger)
     return deleted
-
-
-# -- the replay ---------------------------------------------------------------------------------
-
-def _replay_input(topic: str, kept: pa.StructArray, anchor: Position | None, tail: pa.Table) -> pa.Table:
-    """What the kernel replays after a snapshot (as `snapshots.jobs._replay_input` on Spark): the tail,
-    with every entry of a transaction in the snapshot's trimmed abort set (`kept`) made plain (no
-    transaction, no sequence: it is closed, so a later marker is a duplicate and later data late,
-    both only moving the log's end), and one plain entry at the anchor (the log's end so far and
-    the previous non-empty ledger of the position-before rule)."""
-    closed = pa.table({"txn_most_bits": kept.field("txn_most_bits"), "txn_least_bits": kept.field("txn_least_bits"),
-                       "_closed": pa.array([True] * len(kept), pa.bool_())})
-    rows = tail.join(closed, ["txn_most_bits", "txn_least_bits"], join_type="left outer") if len(kept) else \
-        tail.append_column("_closed", pa.nulls(tail.num_rows, pa.bool_()))
-    plain = pc.fill_null(rows["_closed"], False)
-    for name in ("txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id"):
-        rows = rows.set_column(rows.schema.get_field_index(name), name,
-                               pc.if_else(plain, pa.nulls(rows.num_rows, rows.schema.field(name).type), rows[name]))
-    rows = rows.set_column(rows.schema.get_field_index("entry_type"), "entry_type",
-                           pc.if_else(plain, pa.scalar(EntryType.DATA.value), rows["entry_type"]))
-    rows = rows.select(list(NARROW_COLUMNS))
-    if anchor is not None:
-        at = {c: None for c in NARROW_COLUMNS} | {"topic": topic, "ledger_id": anchor.ledger_id,
-                                                  "entry_id": anchor.entry_id, "entry_type": EntryType.DATA.value}
-        rows = pa.concat_tables([rows, pa.Table.from_pylist([at], schema=rows.schema)])
-    return rows
-
-
-def _in_position_order(aborts: pa.StructArray) -> pa.StructArray:
-    """The aborts in abort-marker order, as the full replay orders them (sorted only when needed)."""
-    n = len(aborts)
-    if n < 2:
-        return aborts
-    lid, eid = aborts.field("ledger_id"), aborts.field("entry_id")
-    a_l, b_l, a_e, b_e = lid.slice(0, n - 1), lid.slice(1), eid.slice(0, n - 1), eid.slice(1)
-    if pc.all(pc.or_(pc.less(a_l, b_l), pc.and_(pc.equal(a_l, b_l), pc.less(a_e, b_e)))).as_py():
-        return aborts
-    keys = [(c, "ascending") for c in ("ledger_id", "entry_id", "txn_most_bits", "txn_least_bits")]
-    return aborts.take(pc.sort_indices(pa.RecordBatch.from_struct_array(aborts), sort_keys=keys))
-
-
-def replay_after_snapshot(topic: str, kept: pa.StructArray, anchor: Position | None,
-                          tail: pa.Table) -> tuple[Position, pa.StructArray] | None:
-    """The buffer of `topic` from its trimmed snapshot aborts (`kept`), the anchor (the last remaining
-    entry at or before the max read position) and the entries after it (`tail`: narrow columns),
-    decided by the buffer kernel: its max read position, and `kept` followed by the new aborts in
-    abort-marker order. None when the topic has neither anchor nor entries (the Spark path has no
-    row then)."""
-    replayed = _replay_input(topic, kept, anchor, tail.select(list(NARROW_COLUMNS)))
-    if not replayed.num_rows:
-        return None
-    decided = kernel.full_scope_tables(replayed)
-    (stable,) = decided.tables[STABLE_POSITIONS].to_pylist()
-    new = decided.tables[ABORTED_TXNS]
-    added = pa.StructArray.from_arrays([new["txn_most_bits"].combine_chunks(), new["txn_least_bits"].combine_chunks(),
-                                        new["abort_ledger_id"].combine_chunks(), new["abort_entry_id"].combine_chunks()],
-                                       fields=list(ABORTS_TYPE))
-    aborts = pa.concat_arrays([kept.cast(ABORTS_TYPE), added]) if len(added) else kept
-    return Position(stable["max_read_ledger_id"], stable["max_read_entry_id"]), _in_position_order(aborts)
 
 
 # -- reading, planning and writing --------------------------------------------------------------
@@ -280,7 +158,7 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
     se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
     lid, eid = rows.column("ledger_id"), rows.column("entry_id")
-    after = pc.or_(pc.greater(lid, sl), pc.and_(pc.equal(lid, sl), pc.greater(eid, se)))
+    after = position_lt(sl, se, lid, eid)
     rows = rows.filter(after)
     if rows.num_rows > limits.max_replayed_entries:
         return None
@@ -289,26 +167,22 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
 
 
 def _anchor(log: DeltaTable, topic: str, snap: IndexedSnapshot, deleted: set[int]) -> Position | None:
-    """The last remaining position at or before the max read position (`snapshots.jobs._anchors`):
-    the max read position unless its ledger was deleted, then the last entry of an older ledger."""
-    if snap.max_read.entry_id < 0:
-        return None
-    if snap.max_read.ledger_id not in deleted:
-        return snap.max_read
-    older = scan(log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id < {snap.max_read.ledger_id}"),
-                 ds.field("ledger_id") < snap.max_read.ledger_id, ["ledger_id", "entry_id"],
-                 on_rows=ds.field("topic") == topic, on_rows_columns=["topic"])
-    if not older.num_rows:
-        return None
-    last = pc.max(older.column("ledger_id")).as_py()
-    return Position(last, pc.max(older.filter(pc.equal(older.column("ledger_id"), last)).column("entry_id")).as_py())
+    """`replay.anchor_position` of `snap`, an older ledger's last entry looked up in the log's files."""
+    def last_before(ledger: int) -> Position | None:
+        older = scan(log.to_pyarrow_dataset(file_pruning_predicate=f"ledger_id < {ledger}"),
+                     ds.field("ledger_id") < ledger, ["ledger_id", "entry_id"],
+                     on_rows=ds.field("topic") == topic, on_rows_columns=["topic"])
+        if not older.num_rows:
+            return None
+        last = pc.max(older.column("ledger_id")).as_py()
+        return Position(last, pc.max(older.filter(pc.equal(older.column("ledger_id"), last)).column("entry_id")).as_py())
+
+    return anchor_position(snap.max_read, deleted, last_before)
 
 
 def _spark_full_replays(warehouse: Warehouse, topics: list[str]) -> list[dict]:
     """The full replay on Spark of `topics` (no usable snapshot), with their entry counts."""
-    entries = warehouse.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics))
-    counts = entries.groupBy("topic").agg(F.count("*").alias("replayed_entries"))
-    replayed = full_replay_states(entries).join(counts, "topic").toArrow()
+    replayed = full_replay_states(warehouse.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics))).toArrow()
     aborts = replayed.column("aborts").combine_chunks()
     return [{**r, "aborts": aborts[i].values.cast(ABORTS_TYPE)}
             for i, r in enumerate(replayed.drop_columns(["aborts"]).to_pylist())]
@@ -353,8 +227,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
             gone = deleted.get(topic, set())
             entries = tail.filter(pc.equal(tail["topic"], topic)) if tail is not None else \
                 arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table().select(list(NARROW_COLUMNS))
-            state = replay_after_snapshot(topic, snapshot_aborts(aborts, snap.rows, gone),
-                                          _anchor(log, topic, snap, gone), entries)
+            state = replay_topic(topic, snapshot_aborts(aborts, snap.rows, gone), _anchor(log, topic, snap, gone), entries)
             if state is not None:
                 rows.append({"topic": topic, "max_read_ledger_id": state[0].ledger_id,
                              "max_read_entry_id": state[0].entry_id, "aborts": state[1],

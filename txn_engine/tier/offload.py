@@ -31,13 +31,15 @@ from txn_engine.buffer.refresh import (
     state_is_current,
     state_ledger_counts,
 )
+from txn_engine.buffer import kernel
 from txn_engine.buffer.kernel import TXN_KEY, ledger_drops, ledger_filter
-from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, position_le
+from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES, has_txn, is_data
 from txn_engine.buffer.spark_runner import SparkDecisions, committed_rows, decide_full
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
+from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     BUFFER_DUPLICATES,
@@ -46,6 +48,7 @@ from txn_engine.core.schema import (
     LEDGER_STATES_LOG,
     LEDGER_STATES_SCHEMA,
     BUFFER_LEDGER_TXNS,
+    BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
     LEDGERS,
@@ -54,6 +57,7 @@ from txn_engine.core.schema import (
     OFFLOAD_MANIFEST,
     OFFLOAD_MANIFEST_SCHEMA,
     OFFLOADED_ENTRIES,
+    OFFLOADED_ENTRIES_SCHEMA,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
@@ -108,27 +112,37 @@ class OffloadWaitingError(TxnlakeError):
                          "not materialized; the offload sensor requests them once they are eligible.")
 
 
-# -- pure DataFrame logic -----------------------------------------------------------------------
+# -- pure logic ---------------------------------------------------------------------------------
 
-def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
-    """Per catalog ledger: `eligible` and, when not, `waiting_reason`. Pure.
+ELIGIBILITY_COLUMNS = ("topic", "ledger_id", "state", "last_entry_id")
+
+
+def eligibility(catalog: pa.Table, stable: pa.Table) -> pa.Table:
+    """Per catalog ledger (at least `ELIGIBILITY_COLUMNS`): `eligible` and, when not,
+    `waiting_reason`, beside its topic's stable position (`stable`: `stable_positions` rows). Pure.
 
     Eligible: CLOSED, and its last entry at or below its topic's stable position
     (`max_read_ledger_id`, `max_read_entry_id`). OPEN is never eligible; OFFLOADED and DELETED
     ledgers are done.
     """
-    at = stable.select("topic", "max_read_ledger_id", "max_read_entry_id")
-    below = position_le(F.col("ledger_id"), F.col("last_entry_id"), F.col("max_read_ledger_id"), F.col("max_read_entry_id"))
-    reason = (
-        F.when(F.col("state") != "CLOSED", F.concat(F.lit("ledger is "), F.col("state")))
-        .when(F.col("max_read_ledger_id").isNull(), F.lit("topic has no stable position yet"))
-        .when(~below, F.lit("last entry is beyond the stable position (a transaction is still ongoing)"))
-    )
-    return (
-        catalog.join(at, "topic", "left")
-        .withColumn("waiting_reason", reason)
-        .withColumn("eligible", F.col("waiting_reason").isNull())
-    )
+    at = pa.table({"topic": stable["topic"].cast(pa.string()), "max_read_ledger_id": stable["max_read_ledger_id"].cast(pa.int64()),
+                   "max_read_entry_id": stable["max_read_entry_id"].cast(pa.int64())})
+    joined = catalog.set_column(catalog.schema.get_field_index("topic"), "topic", catalog["topic"].cast(pa.string())).join(
+        at, "topic", join_type="left outer")
+    state = joined["state"].cast(pa.string())
+    below = kernel.position_le(joined["ledger_id"], joined["last_entry_id"], joined["max_read_ledger_id"],
+                               joined["max_read_entry_id"])
+    conditions = pc.make_struct(pc.fill_null(pc.not_equal(state, "CLOSED"), True), pc.is_null(joined["max_read_ledger_id"]),
+                                pc.invert(pc.fill_null(below, False)), field_names=["not_closed", "no_stable", "beyond"])
+    reason = pc.case_when(conditions, pc.binary_join_element_wise("ledger is ", state, ""),
+                          pa.scalar("topic has no stable position yet"),
+                          pa.scalar("last entry is beyond the stable position (a transaction is still ongoing)"))
+    return joined.append_column("waiting_reason", reason).append_column("eligible", pc.is_null(reason))
+
+
+def ledger_eligibility(catalog: DataFrame, stable: DataFrame) -> DataFrame:
+    """`eligibility` of Spark frames (a row per ledger and per topic, collected), as a frame."""
+    return catalog.sparkSession.createDataFrame(eligibility(catalog.toArrow(), stable.toArrow()))
 
 
 def row_hash() -> Column:
@@ -243,10 +257,11 @@ def offload_ledgers(
     entries = _pinned(wh, LEDGER_ENTRIES, log_version)
     # The catalog of the same version, with only what eligibility and the state check need: the
     # ledgers' ranges (`ledger_ranges`: delta-rs and Arrow, no Spark scan) and their states.
-    # Collected once (a row per ledger) and used as a small local frame by both steps below.
-    catalog_rows = ledger_ranges_catalog(wh, log_version).select(
+    # Collected once (a row per ledger): as Arrow for eligibility, a small local frame for the state check.
+    catalog_table = ledger_ranges_catalog(wh, log_version).select(
         "topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"
-    ).toArrow().to_pylist()
+    ).toArrow()
+    catalog_rows = catalog_table.to_pylist()
     catalog_now = local_frame(
         wh.spark, catalog_rows,
         "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long",
@@ -261,9 +276,10 @@ def offload_ledgers(
     stable = local_frame(wh.spark, recorded.stable_rows, STABLE_POSITIONS_SCHEMA) if recorded is not None \
         else decided.decided.table(STABLE_POSITIONS)
     try:
-        stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable.collect()}
+        stable_rows = stable.toArrow()  # a row per topic
+        stable_at = {r["topic"]: Position(r["max_read_ledger_id"], r["max_read_entry_id"]) for r in stable_rows.to_pylist()}
         lap("facts")
-        catalog = ledger_eligibility(catalog_now, stable).select("topic", "ledger_id", "state", "eligible", "waiting_reason").collect()
+        catalog = eligibility(catalog_table, stable_rows).to_pylist()
         result = OffloadResult(facts_from=FROM_LEDGER_ENTRIES if recorded is None else FROM_BUFFER_STATE,
                                kept_from=FROM_LEDGER_ENTRIES if recorded is None else COMMITTED_ENTRIES,
                                step_seconds=lap.seconds)  # later laps land there too
@@ -528,6 +544,67 @@ def _copy_ledgers(
     return rows
 
 
+@dataclass(frozen=True)
+class TierUncommitted:
+    """What the tier holds that a read-committed reader must never see (`tier_uncommitted`)."""
+
+    markers: int
+    entries_of_aborted_txns: int
+    entries_of_ongoing_txns: int
+
+    @property
+    def passed(self) -> bool:
+        return not (self.markers or self.entries_of_aborted_txns or self.entries_of_ongoing_txns)
+
+
+ONGOING = "ONGOING"  # `txn_decisions`' outcome of a transaction without a marker on its topic
+TXN_DECISIONS_DDL = "topic string, txn_most_bits long, txn_least_bits long, outcome string"
+
+
+def txn_decisions(ledger_txns: pa.Table) -> pa.Table:
+    """Per (topic, txn) of one topic's `buffer_ledger_txns` rows: the kernel's outcome
+    (`kernel.txns_from_ledger_txns`: its first marker's), ONGOING without one. Spark's grouped
+    Arrow function."""
+    txns = kernel.txns_from_ledger_txns(kernel.conform(ledger_txns, BUFFER_LEDGER_TXNS_SCHEMA))
+    return pa.table({"topic": txns["topic"], "txn_most_bits": txns["txn_most_bits"], "txn_least_bits": txns["txn_least_bits"],
+                     "outcome": pc.fill_null(txns["outcome"], ONGOING)})
+
+
+def tier_uncommitted(wh: Warehouse) -> TierUncommitted:
+    """The tier's markers, and its DATA of transactions the buffer kernel decides aborted or ongoing.
+
+    The kernel's facts per (ledger, transaction), folded per topic by `txn_decisions`: the buffer's
+    state (`buffer_ledger_txns`) when it describes the log as it is now (`_state_version`), which
+    keeps the facts of the ledgers retention deleted; else the kernel run over the tier's topics'
+    log (`decide_full`: the offload may have decided from entries newer than the buffer's tables),
+    with the state's facts of the ledgers no longer in the log."""
+    tier = wh.read_or_empty(OFFLOADED_ENTRIES, OFFLOADED_ENTRIES_SCHEMA)
+    markers = tier.where(~is_data()).count()
+    txn_rows = tier.where(has_txn() & is_data()).select(*TXN_KEY)
+    topics = sorted(r.topic for r in tier.select("topic").distinct().collect())  # a row per topic
+    if not topics:
+        return TierUncommitted(markers, 0, 0)
+    state_version = _state_version(wh, ledger_ranges_catalog(wh))
+    decided = None if state_version is not None else decide_full(
+        wh.read(LEDGER_ENTRIES).where(F.col("topic").isin(topics)), topics=topics)
+    try:
+        if decided is None:
+            facts = _pinned(wh, BUFFER_LEDGER_TXNS, state_version).where(F.col("topic").isin(topics))
+        else:
+            facts = decided.table(BUFFER_LEDGER_TXNS)
+            if wh.exists(BUFFER_LEDGER_TXNS):
+                gone = (wh.read(BUFFER_LEDGER_TXNS).where(F.col("topic").isin(topics)).select(*facts.columns)
+                        .join(facts.select("topic", "ledger_id").distinct(), ["topic", "ledger_id"], "left_anti"))
+                facts = facts.unionByName(gone)
+        txns = facts.select(*BUFFER_LEDGER_TXNS_SCHEMA.fieldNames()).groupBy("topic").applyInArrow(
+            txn_decisions, TXN_DECISIONS_DDL)
+        counts = {r.outcome: r["count"] for r in txn_rows.join(txns, list(TXN_KEY)).groupBy("outcome").count().collect()}
+    finally:
+        if decided is not None:
+            decided.unpersist()
+    return TierUncommitted(markers, counts.get(EntryType.ABORT.value, 0), counts.get(ONGOING, 0))
+
+
 def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
     """The ledgers the tier holds: those with a manifest row (the offload's commit point). A row
     per ledger, read by delta-rs: no Spark job, so the engine's consumer reads the tier without a JVM."""
@@ -542,16 +619,16 @@ def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
     forward, so they only make this list shorter, never wrong. `offload_ledgers` decides again
     from `ledger_entries`.
     """
-    catalog = ledger_eligibility(ledger_ranges_catalog(warehouse), warehouse.read(STABLE_POSITIONS))
-    eligible = {(r["topic"], r["ledger_id"]) for r in catalog.where("eligible").select("topic", "ledger_id").collect()}
+    catalog = eligibility(ledger_ranges_catalog(warehouse).toArrow(), warehouse.read(STABLE_POSITIONS).toArrow())
+    eligible = {(r["topic"], r["ledger_id"]) for r in catalog.filter(catalog["eligible"]).select(["topic", "ledger_id"]).to_pylist()}
     return sorted(eligible - offloaded_ledgers(warehouse))
 
 
 def eligible_not_offloaded(wh: Warehouse) -> list[tuple[str, int]]:
     """`offload_candidates` decided without Spark, for the sensor: the same reads (the ranges of
     `ledger_entries`, the recorded states, the deleted ledgers, `stable_positions`, the manifest),
-    by delta-rs, and the same rules (`catalog_of_ledgers`'s states, `ledger_eligibility`), folded
-    in Python: a row per ledger. A tick then starts no JVM in the code server, which would take much
+    by delta-rs, and the same rules (`catalog_of_ledgers`'s states, restated here in Python, and
+    `eligibility`): a row per ledger. A tick then starts no JVM in the code server, which would take much
     of the sensor's timeout and stay resident (docs/benchmarks.md, "Driver reads"). Equal to
     `offload_candidates` (tested)."""
     tables = DeltaTables(wh)
@@ -571,11 +648,12 @@ def eligible_not_offloaded(wh: Warehouse) -> list[tuple[str, int]]:
     for r in latest.to_pylist():
         if (r["topic"], r["ledger_id"]) in catalog:
             catalog[(r["topic"], r["ledger_id"])][0] = r["state_last"]
-    stable: dict[str, list[tuple[int, int]]] = {}
-    for r in tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic", "max_read_ledger_id", "max_read_entry_id"]).to_pylist():
-        stable.setdefault(r["topic"], []).append((r["max_read_ledger_id"], r["max_read_entry_id"]))
-    # Eligible: CLOSED, its last entry at or below its topic's stable position (tuples compare in log order).
-    eligible = {key for key, (state, last) in catalog.items()
-                if state == "CLOSED" and any((key[1], last) <= at for at in stable.get(key[0], ()))}
+    stable = tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic", "max_read_ledger_id", "max_read_entry_id"])
+    ledgers = pa.Table.from_pylist([{"topic": t, "ledger_id": l, "state": state, "last_entry_id": last}
+                                    for (t, l), (state, last) in catalog.items()],
+                                   schema=pa.schema([("topic", pa.string()), ("ledger_id", pa.int64()), ("state", pa.string()),
+                                                     ("last_entry_id", pa.int64())]))
+    decided = eligibility(ledgers, stable)
+    eligible = set(zip(*(decided.filter(decided["eligible"])[c].to_pylist() for c in ("topic", "ledger_id"))))
     manifest = tables.read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"]).to_pylist()
     return sorted(eligible - {(r["topic"], r["ledger_id"]) for r in manifest})
