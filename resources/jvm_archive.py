@@ -13,6 +13,7 @@ and the log4j2 configuration is named by a system property.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -45,9 +46,9 @@ def _java() -> Path | None:
     return found.resolve() if found and found.exists() else None
 
 
-def archive_key(conf: Mapping[str, str], conf_dir: str) -> str | None:
-    """What the JVM checks an archive against: the JDK's build and the class path's entries (their
-    names, sizes and times); None without a JDK."""
+@functools.lru_cache(maxsize=1)
+def _installed_digest() -> str | None:
+    """The JDK's build and pyspark's jars (names, sizes, times), once per process; None without a JDK."""
     java = _java()
     if java is None:
         return None
@@ -56,12 +57,19 @@ def archive_key(conf: Mapping[str, str], conf_dir: str) -> str | None:
     for path in (java, libjvm):
         stat = path.stat()
         digest.update(f"{path}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    jars = Path(pyspark.__file__).parent / "jars"
-    for entry in sorted(os.scandir(jars), key=lambda e: e.name):
+    for entry in sorted(os.scandir(Path(pyspark.__file__).parent / "jars"), key=lambda e: e.name):
         stat = entry.stat()
         digest.update(f"{entry.name}|{stat.st_size}|{stat.st_mtime_ns}\n".encode())
-    digest.update(f"conf={conf_dir}|extra={conf.get('spark.driver.extraClassPath', '')}".encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def archive_key(conf: Mapping[str, str], conf_dir: str) -> str | None:
+    """What the JVM checks an archive against: the JDK and the driver's class path; None without a JDK."""
+    installed = _installed_digest()
+    if installed is None:
+        return None
+    extra = conf.get("spark.driver.extraClassPath", "")
+    return hashlib.sha256(f"{installed}|conf={conf_dir}|extra={extra}".encode()).hexdigest()[:16]
 
 
 def archive_path(conf: Mapping[str, str], conf_dir: str) -> Path | None:
