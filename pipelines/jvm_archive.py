@@ -1,6 +1,6 @@
 """`make setup`'s last step: the driver JVM's class archive (`resources.jvm_archive`), built once by
 a small `txnlake quickstart` in a scratch warehouse whose driver dumps the classes it loaded as it
-exits. Idempotent: an archive for this machine's JDK and class path is kept, older ones removed.
+exits. Idempotent: an archive for this machine's JDK and class path is kept (others after a month go).
 Sessions run without one (slower to start) when it is missing or the build fails.
 """
 
@@ -17,6 +17,7 @@ from resources.jvm_archive import BUILD_ENV, archive_dir, archive_path
 
 QUICKSTART_ENTRIES = 2000
 BUILD_TIMEOUT_S = 900
+STALE_AFTER_S = 30 * 24 * 3600
 # Settings of the user's own deployment that would change the class path or send the run elsewhere.
 ISOLATED_ENV = ("SPARK_CONF_DIR", "TXNLAKE_SPARK_MASTER", "TXNLAKE_SPARK_CONF", "DAGSTER_HOME", "TXNLAKE_WAREHOUSE")
 
@@ -64,12 +65,15 @@ def build() -> Path | None:
             time.sleep(0.2)
     if done.returncode != 0 or not dump.is_file() or _dumping(dump):
         dump.unlink(missing_ok=True)
-        tail = (done.stdout + done.stderr).strip().splitlines()[-5:]
-        print(f"warning: the class archive was not built (quickstart exited {done.returncode}); Spark sessions start "
-              f"without it. Last lines:\n  " + "\n  ".join(tail), file=sys.stderr)
+        log = archive_dir() / "build.log"
+        log.write_text(f"--- stdout\n{done.stdout}\n--- stderr\n{done.stderr}")
+        print(f"warning: the class archive was not built (quickstart exited {done.returncode}, "
+              f"{'no archive dumped' if done.returncode == 0 else 'see the log'}: {log}); Spark sessions start without it",
+              file=sys.stderr)
         return None
-    for old in archive_dir().glob("driver-*.jsa"):
-        old.unlink()
+    for old in archive_dir().glob("driver-*.jsa"):  # other checkouts' (their own venvs) stay a while
+        if time.time() - old.stat().st_mtime > STALE_AFTER_S:
+            old.unlink(missing_ok=True)
     dump.replace(target)
     print(f"built {target} ({target.stat().st_size >> 20} MiB) in {time.monotonic() - started:.0f}s", flush=True)
     return target
