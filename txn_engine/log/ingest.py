@@ -696,17 +696,20 @@ def _by_position(valid: DataFrame, existing: DataFrame) -> DataFrame:
     return in_input.join(stored, list(POSITION_COLUMNS), "left").withColumn("_compared", F.lit(True))
 
 
-def suspect_ledgers(warehouse: Warehouse, validated: DataFrame) -> list[tuple[str, int]]:
+def suspect_ledgers(warehouse: Warehouse, validated: DataFrame,
+                    input_ledgers: dict[tuple[str, int], bool] | None = None) -> list[tuple[str, int]]:
     """The ledgers of `validated` that `classify` must compare by position: those with stored
-    rows (`ledger_ranges`, no Spark job) or a position repeated in the input (one job over the
-    positions alone: invalid rows are counted too, which only compares more). A row per ledger
-    reaches the driver."""
+    rows (`ledger_ranges`, no Spark job) or a position repeated in the input. `input_ledgers`,
+    when the caller knows them without reading the rows: {(topic, ledger_id): whether a position
+    may repeat in it}; else one job over the positions alone (invalid rows are counted too, which
+    only compares more), a row per ledger to the driver."""
     stored = ({(r["topic"], r["ledger_id"]) for r in ledger_ranges(warehouse).to_pylist()}
               if warehouse.exists(LEDGER_ENTRIES) else set())
-    per_ledger = (validated.where(F.col("entry_id").isNotNull()).groupBy(*POSITION_COLUMNS).count()
-                  .groupBy("topic", "ledger_id").agg(F.max("count").alias("most")).collect())
-    return sorted((r["topic"], r["ledger_id"]) for r in per_ledger
-                  if r["most"] > 1 or (r["topic"], r["ledger_id"]) in stored)
+    if input_ledgers is None:
+        per_ledger = (validated.where(F.col("entry_id").isNotNull()).groupBy(*POSITION_COLUMNS).count()
+                      .groupBy("topic", "ledger_id").agg(F.max("count").alias("most")).collect())
+        input_ledgers = {(r["topic"], r["ledger_id"]): r["most"] > 1 for r in per_ledger}
+    return sorted(ledger for ledger, repeats in input_ledgers.items() if repeats or ledger in stored)
 
 
 def _same_entry(other: Column) -> Column:
@@ -731,7 +734,7 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
 
 
 def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str],
-                     in_position_order: bool = False) -> IngestSummary:
+                     in_position_order: bool = False, input_ledgers: dict[tuple[str, int], bool] | None = None) -> IngestSummary:
     """Classify `validate`d rows against what is stored, quarantine the bad ones and append the
     new ones (the rules of `classify`): idempotent, and a crash between the two writes is
     repaired by running it again. Every importer of raw entries appends through here.
@@ -739,7 +742,8 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
     `validated` is read by several jobs (the positions, the counts, each write): pass a persisted
     frame when computing it costs. `in_position_order`: each of its partitions holds whole
     ledgers in position order (a Kafka segment per task), so the rows not compared by position
-    are written as they come, without the range repartition and sort."""
+    are written as they come, without the range repartition and sort. `input_ledgers`: see
+    `suspect_ledgers`."""
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
         files=files,
@@ -750,7 +754,7 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
     # concurrent ingest cannot slip a row in between the check and the write.
     with warehouse.writer(LEDGER_ENTRIES):
         existing = warehouse.read_or_empty(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
-        suspect = suspect_ledgers(warehouse, validated)
+        suspect = suspect_ledgers(warehouse, validated, input_ledgers)
         classified = classify(validated, existing, immutable_ledgers(warehouse), suspect)
         if suspect:  # keep the shuffled comparison for the counts and both writes
             classified = classified.persist(StorageLevel.MEMORY_AND_DISK)
