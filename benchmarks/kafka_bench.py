@@ -22,7 +22,7 @@ import crc32c
 from benchmarks.measure import jvm_peak_rss_mib, timed
 
 PARTITIONS = 4
-SEGMENT_MB = int(__import__("os").environ.get("SEG_MB", "128"))
+SEGMENT_MB = 128
 BATCH_RECORDS = 50
 VALUE_BYTES = 1000
 ABORT_EVERY = 10  # one transaction in ten aborts

@@ -75,8 +75,9 @@ def kafka_jar_dir() -> Path:
     return jar_cache_dir() / f"kafka-{KAFKA_VERSION}"
 
 
-SEGMENT_READER_SOURCES = [Path(__file__).parent / "java" / "io" / "txnlake" / "kafka" / "SegmentReader.java"]
-SEGMENT_READER_CLASS = "io.txnlake.kafka.SegmentReader"
+# txnlake's classes that run on Spark: the segment reader, and the grouped count its import observes while it writes.
+JVM_SOURCES = [Path(__file__).parent / "java" / "io" / "txnlake" / "kafka" / "SegmentReader.java",
+               Path(__file__).parent / "java" / "io" / "txnlake" / "spark" / "Tally.java"]
 
 
 def kafka_clients_jar() -> Path:
@@ -84,7 +85,7 @@ def kafka_clients_jar() -> Path:
 
 
 def segment_reader_jar_path() -> Path:
-    return source_jar_path("txnlake-kafka-reader", SEGMENT_READER_SOURCES)
+    return source_jar_path("txnlake-spark", JVM_SOURCES)
 
 
 def require_segment_reader_jars() -> list[Path]:
@@ -94,10 +95,18 @@ def require_segment_reader_jars() -> list[Path]:
                         KafkaJarsMissingError)
 
 
+def cached_segment_reader_jars() -> list[Path]:
+    """The segment reader's jars when both are cached, else none (`require_segment_reader_jars` says what to do)."""
+    try:
+        return require_segment_reader_jars()
+    except KafkaJarsMissingError:
+        return []
+
+
 def build_segment_reader() -> Path:
     """Compile the segment reader against pyspark's jars and `kafka-clients`; idempotent."""
     classpath = [*sorted((Path(pyspark.__file__).parent / "jars").glob("*.jar")), kafka_clients_jar()]
-    return compile_jar(SEGMENT_READER_SOURCES, classpath, segment_reader_jar_path(), KafkaJarsMissingError)
+    return compile_jar(JVM_SOURCES, classpath, segment_reader_jar_path(), KafkaJarsMissingError)
 
 
 def require_kafka_jars() -> list[Path]:

@@ -33,7 +33,7 @@ from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
-from resources.kafka_jars import require_segment_reader_jars
+from resources.kafka_jars import cached_segment_reader_jars
 from txn_engine.core.errors import ConfigurationError
 from txn_engine.core.settings import WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master, is_loopback_master
 
@@ -85,8 +85,8 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
         merged["spark.master"] = master
     own_delta = _brings_own_delta(merged)
     # `txnlake import-kafka` parses segments in the JVM (any session may run it): kafka-clients and
-    # the reader go wherever the executors are, like Delta's.
-    ours = [*([] if own_delta else require_delta_jars()), *require_segment_reader_jars()]
+    # the reader go wherever the executors are, like Delta's; without them only the import refuses to run.
+    ours = [*([] if own_delta else require_delta_jars()), *cached_segment_reader_jars()]
     merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), *map(str, ours)]))
     storage = WarehouseSettings()  # the environment's warehouse and store, as delta-rs gets them
     if storage.uses_s3():

@@ -19,10 +19,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
+from py4j.java_gateway import JavaClass
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from txn_engine.core.errors import InputFileError
+from txn_engine.core.errors import InputFileError, KafkaJarsMissingError
 from txn_engine.core.schema import ABORTED_TXNS, LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS
 from txn_engine.log import kafka_log
 from txn_engine.log.ingest import IngestSummary, append_validated, validate
@@ -98,7 +99,13 @@ def _read_bytes(jvm, fs, path, size: int | None = None) -> bytes:
 
 
 def _reader(spark: SparkSession):
-    return spark.sparkContext._jvm.io.txnlake.kafka.SegmentReader
+    """`io.txnlake.kafka.SegmentReader`; KafkaJarsMissingError when the session started without its jar."""
+    reader = spark.sparkContext._jvm.io.txnlake.kafka.SegmentReader
+    if not isinstance(reader, JavaClass):  # py4j names a class it cannot load as a package
+        raise KafkaJarsMissingError(
+            "the Kafka segment reader (kafka-clients and txnlake's reader jar) is not on this Spark session's class "
+            "path: run `make setup` (it fetches and builds them into the jar cache), then run the import in a new process")
+    return reader
 
 
 def _spec(segment: Segment, open_before: dict[int, int] | None = None) -> str:
@@ -263,6 +270,7 @@ def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[
     started = time.monotonic()
     spark = warehouse.spark
     segments = resolve_segments(spark, paths)
+    _reader(spark)
     topics = sorted({s.topic for s in segments})
     progress(f"import-kafka: {len(segments)} segment(s) of {len(topics)} partition(s): {', '.join(topics[:10])}"
              + (" ..." if len(topics) > 10 else ""))
@@ -275,7 +283,8 @@ def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[
         # increase (`SegmentReader` quarantines a batch where they do not), so no job looks for them.
         files_per_ledger = Counter((s.topic, s.base_offset) for s in segments)
         summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True,
-                                   input_ledgers={ledger: n > 1 for ledger, n in files_per_ledger.items()})
+                                   input_ledgers={ledger: n > 1 for ledger, n in files_per_ledger.items()},
+                                   count_while_writing=True)
     result = KafkaImportSummary(segments, summary)
     for line in result.partition_lines():
         progress(line)
