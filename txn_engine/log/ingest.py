@@ -573,18 +573,19 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     by position, since every other row is its position's only candidate and nothing is stored
     there. Column `_compared` says which rows were.
     """
-    valid = validated.filter(F.col("rule").isNull())
+    invalid_rule = F.col("rule").isNotNull()  # by `validate`
     if suspect is None:
-        joined = _by_position(valid, existing)
+        joined = _by_position(validated.filter(~invalid_rule), existing)
     else:
-        ledgers = local_frame(valid.sparkSession, [(t, l, True) for t, l in suspect], "topic string, ledger_id bigint, _suspect boolean")
-        marked = valid.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left")
-        compared = _by_position(marked.where(F.col("_suspect").isNotNull()).drop("_suspect"),
+        ledgers = local_frame(validated.sparkSession, [(t, l, True) for t, l in suspect], "topic string, ledger_id bigint, _suspect boolean")
+        marked = validated.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left")
+        compared = _by_position(marked.where(F.col("_suspect").isNotNull() & ~invalid_rule).drop("_suspect"),
                                 existing.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left_semi"))
-        # The others skip the window and the join, the two shuffles of full rows.
-        alone = marked.where(F.col("_suspect").isNull()).select(
-            *valid.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
-                              if c not in valid.columns and c != "_compared"], F.lit(False).alias("_compared"))
+        # The others skip the window and the join, the two shuffles of full rows; the invalid rows
+        # go with them, so that nothing compared means one pass over `validated`, without a union.
+        alone = marked.where(F.col("_suspect").isNull() | invalid_rule).select(
+            *validated.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
+                                  if c not in validated.columns and c != "_compared"], F.lit(False).alias("_compared"))
         joined = alone if not suspect else compared.unionByName(alone)
     if immutable is None:
         joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
@@ -668,9 +669,13 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     ).when(before_tier, before_tier_reason).when(status == QUARANTINED, sealed_reason)
     checked = joined.select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
-        status.alias("status"), rule.alias("rule"), reason.alias("reason"), "_compared",
+        F.when(invalid_rule, F.lit(QUARANTINED)).otherwise(status).alias("status"),
+        F.when(invalid_rule, F.col("rule")).otherwise(rule).alias("rule"),
+        F.when(invalid_rule, F.col("reason")).otherwise(reason).alias("reason"), "_compared",
     )
-    invalid = validated.filter(F.col("rule").isNotNull()).select(
+    if suspect is not None:
+        return checked
+    invalid = validated.filter(invalid_rule).select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         F.lit(QUARANTINED).alias("status"), "rule", "reason", F.lit(False).alias("_compared"),
     )
