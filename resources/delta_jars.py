@@ -59,9 +59,7 @@ def delta_jar_paths() -> list[Path]:
 
 
 def log_store_jar_path() -> Path:
-    """The compiled log store, named by its source's hash: an edited source is built anew."""
-    digest = hashlib.sha256(LOG_STORE_SOURCE.read_bytes()).hexdigest()[:12]
-    return jar_cache_dir() / f"txnlake-s3-logstore-{digest}.jar"
+    return source_jar_path("txnlake-s3-logstore", [LOG_STORE_SOURCE])
 
 
 def s3_jar_paths() -> list[Path]:
@@ -147,20 +145,23 @@ def _javac() -> str:
     return found
 
 
-def build_log_store() -> Path:
-    """Compile the log store (`resources/java`) against the cached Delta and S3A jars and pyspark's
-    Hadoop client, into a jar in the cache; idempotent."""
-    target = log_store_jar_path()
+def source_jar_path(prefix: str, sources: list[Path]) -> Path:
+    """A jar compiled from `sources`, named by their hash: an edited source is built anew."""
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in sources)).hexdigest()[:12]
+    return jar_cache_dir() / f"{prefix}-{digest}.jar"
+
+
+def compile_jar(sources: list[Path], classpath: list[Path], target: Path,
+                error: type[ConfigurationError] = DeltaJarsMissingError) -> Path:
+    """Compile `sources` (`resources/java`) against `classpath` into the jar `target`; idempotent."""
     if target.is_file() and target.stat().st_size > 0:
         return target
-    hadoop_client = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
-    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / jar_name("hadoop-aws", HADOOP_VERSION)]
     print(f"building {target.name}", flush=True)
     with tempfile.TemporaryDirectory() as build:
         done = subprocess.run([_javac(), "--release", "17", "-nowarn", "-cp", os.pathsep.join(map(str, classpath)),
-                               "-d", build, str(LOG_STORE_SOURCE)], capture_output=True, text=True)
+                               "-d", build, *map(str, sources)], capture_output=True, text=True)
         if done.returncode != 0:
-            raise DeltaJarsMissingError(f"compiling {LOG_STORE_SOURCE.name} failed:\n{done.stderr.strip()}")
+            raise error(f"compiling {', '.join(s.name for s in sources)} failed:\n{done.stderr.strip()}")
         partial = target.with_suffix(f".jar.{os.getpid()}.part")
         with zipfile.ZipFile(partial, "w", zipfile.ZIP_DEFLATED) as jar:
             jar.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\nCreated-By: txnlake\n")
@@ -168,6 +169,14 @@ def build_log_store() -> Path:
                 jar.write(path, path.relative_to(build).as_posix())
         partial.replace(target)
     return target
+
+
+def build_log_store() -> Path:
+    """Compile the log store (`resources/java`) against the cached Delta and S3A jars and pyspark's
+    Hadoop client, into a jar in the cache; idempotent."""
+    hadoop_client = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / jar_name("hadoop-aws", HADOOP_VERSION)]
+    return compile_jar([LOG_STORE_SOURCE], classpath, log_store_jar_path())
 
 
 def fetch_delta_jars() -> list[Path]:

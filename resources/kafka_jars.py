@@ -1,9 +1,12 @@
 """The jars of a Kafka broker (`kafka_2.13` and its runtime dependencies), for the tests that
-start a real KRaft broker on loopback (`tests/kafka_broker.py`).
+start a real KRaft broker on loopback (`tests/kafka_broker.py`), and of the segment reader that
+`txnlake import-kafka` runs on Spark (`resources/java/io/txnlake/kafka`: Kafka's own record
+classes from `kafka-clients`, whose codecs' libraries Spark ships).
 
 Like Delta's (`resources.delta_jars`): `python -m resources.kafka_jars fetch` (what `make setup`
 runs) downloads them once from Maven Central into `<jar cache>/kafka-<version>/`, each checked
-against its SHA-1; the tests only check the cache and name `make setup` when something is missing.
+against its SHA-1; it also compiles the segment reader. Sessions and the tests only check the cache and name
+`make setup` when something is missing.
 The list is `kafka_2.13`'s runtime closure as Maven resolves it, pinned here so that no resolver
 runs at setup.
 """
@@ -13,7 +16,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from resources.delta_jars import fetch_jars, jar_cache_dir, jar_cli, jar_name, require_jars
+import pyspark
+
+from resources.delta_jars import compile_jar, fetch_jars, jar_cache_dir, jar_cli, jar_name, require_jars, source_jar_path
 from txn_engine.core.errors import KafkaJarsMissingError
 
 KAFKA_VERSION = "4.1.1"
@@ -70,6 +75,40 @@ def kafka_jar_dir() -> Path:
     return jar_cache_dir() / f"kafka-{KAFKA_VERSION}"
 
 
+# txnlake's classes that run on Spark: the segment reader, and the grouped count its import observes while it writes.
+JVM_SOURCES = [Path(__file__).parent / "java" / "io" / "txnlake" / "kafka" / "SegmentReader.java",
+               Path(__file__).parent / "java" / "io" / "txnlake" / "spark" / "Tally.java"]
+
+
+def kafka_clients_jar() -> Path:
+    return kafka_jar_dir() / jar_name("kafka-clients", KAFKA_VERSION)
+
+
+def segment_reader_jar_path() -> Path:
+    return source_jar_path("txnlake-spark", JVM_SOURCES)
+
+
+def require_segment_reader_jars() -> list[Path]:
+    """`kafka-clients` and the compiled segment reader, for every session's `spark.jars`;
+    KafkaJarsMissingError naming `make setup` if either is missing."""
+    return require_jars([kafka_clients_jar(), segment_reader_jar_path()], "The Kafka segment reader's jars",
+                        KafkaJarsMissingError)
+
+
+def cached_segment_reader_jars() -> list[Path]:
+    """The segment reader's jars when both are cached, else none (`require_segment_reader_jars` says what to do)."""
+    try:
+        return require_segment_reader_jars()
+    except KafkaJarsMissingError:
+        return []
+
+
+def build_segment_reader() -> Path:
+    """Compile the segment reader against pyspark's jars and `kafka-clients`; idempotent."""
+    classpath = [*sorted((Path(pyspark.__file__).parent / "jars").glob("*.jar")), kafka_clients_jar()]
+    return compile_jar(JVM_SOURCES, classpath, segment_reader_jar_path(), KafkaJarsMissingError)
+
+
 def require_kafka_jars() -> list[Path]:
     """The cached jars (a broker's classpath); KafkaJarsMissingError naming `make setup` if any is missing."""
     paths = [kafka_jar_dir() / jar_name(a, v) for _, a, v in KAFKA_ARTIFACTS]
@@ -78,11 +117,13 @@ def require_kafka_jars() -> list[Path]:
 
 def fetch_kafka_jars() -> list[Path]:
     fetch_jars(KAFKA_ARTIFACTS, kafka_jar_dir(), KafkaJarsMissingError)
-    return require_kafka_jars()
+    build_segment_reader()
+    return require_kafka_jars() + require_segment_reader_jars()[1:]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return jar_cli(argv, fetch_kafka_jars, require_kafka_jars, KafkaJarsMissingError)
+    return jar_cli(argv, fetch_kafka_jars, lambda: require_kafka_jars() + require_segment_reader_jars()[1:],
+                   KafkaJarsMissingError)
 
 
 if __name__ == "__main__":

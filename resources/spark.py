@@ -7,8 +7,8 @@ silently. Override anything from Dagster config (`SparkResource(master=..., conf
 environment (`TXNLAKE_SPARK_MASTER`, `TXNLAKE_SPARK_CONF="key=value,key=value"`, see
 `txn_engine.core.settings.conf_from_environment`).
 
-On a cluster (any master but `local[...]`) executors need Delta's jars and this project's code:
-the jars go by `spark.jars` (every master), the code as a zip of its packages by
+On a cluster (any master but `local[...]`) executors need Delta's jars, the Kafka segment
+reader's (`resources.kafka_jars`) and this project's code: the jars go by `spark.jars` (every master), the code as a zip of its packages by
 `spark.submit.pyFiles` (`code_zip`; not when the user ships code themselves or sets
 TXNLAKE_SHIP_CODE=0), and their Python workers run this interpreter unless told otherwise
 (docs/deployment.md).
@@ -34,6 +34,7 @@ from pyspark.sql import SparkSession
 
 from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
 from resources.jvm_archive import archive_dir, driver_java_options, empty_conf_dir
+from resources.kafka_jars import cached_segment_reader_jars
 from txn_engine.core.errors import ConfigurationError
 from txn_engine.core.settings import WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master, is_loopback_master
 
@@ -82,9 +83,10 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
     if master:
         merged["spark.master"] = master
     own_delta = _brings_own_delta(merged)
-    if not own_delta:
-        jars = ",".join(str(p) for p in require_delta_jars())
-        merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), jars]))
+    # `txnlake import-kafka` parses segments in the JVM (any session may run it): kafka-clients and
+    # the reader go wherever the executors are, like Delta's; without them only the import refuses to run.
+    ours = [*([] if own_delta else require_delta_jars()), *cached_segment_reader_jars()]
+    merged["spark.jars"] = ",".join(filter(None, [merged.get("spark.jars", ""), *map(str, ours)]))
     storage = WarehouseSettings()  # the environment's warehouse and store, as delta-rs gets them
     if storage.uses_s3():
         merged = {**storage.spark_storage_conf(), **merged}  # a Spark setting given explicitly wins

@@ -20,7 +20,7 @@ from txn_engine.core.errors import InputFileError
 from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, OFFLOADED_ENTRIES, LEDGER_ENTRIES, QUARANTINE_ENTRIES, STABLE_POSITIONS
 from txn_engine.log import kafka_log as K
 from txn_engine.core.positions import start_position
-from txn_engine.log.kafka_import import import_kafka
+from txn_engine.log.kafka_import import Segment, import_kafka, parse_segments, transactions_open_before
 from txn_engine.tier.offload import offload_ledgers
 from txn_engine.tier.reader import TopicReader
 
@@ -107,24 +107,39 @@ def test_import_run_verify_read_reproduce_the_broker(warehouse, warehouse_root, 
         "" if v is None else v.decode() for _o, _k, v, *_rest in truth.records["plain-0"]]
 
 
-def expected_txn_ids(segments: list[Path]) -> dict[tuple[int, int], tuple[int, int]]:
+def segment(path: Path) -> Segment:
+    name = K.segment_name(str(path))
+    return Segment(path.resolve().as_uri().replace("file:///", "file:/"), name.topic, name.base_offset)
+
+
+def parsed_rows(warehouse, paths: list[Path]) -> list:
+    """The import's parse of the segments in one pass (their carried transactions chained)."""
+    segments = [segment(p) for p in paths]
+    return parse_segments(warehouse.spark, segments, transactions_open_before(warehouse, segments)).collect()
+
+
+def expected_txn_ids(warehouse, segments: list[Path]) -> dict[tuple[int, int], tuple[int, int]]:
     """{(ledger, entry): (txn_most_bits, txn_least_bits)} of one partition's transactional rows,
-    by the parser and the carry rule alone (no Spark)."""
-    tables, chain = [], []
-    for path in segments:
-        name = K.segment_name(str(path))
-        table = K.parse_segment(name.topic, name.base_offset, path.read_bytes())
-        carried = {r["txn_most_bits"] for r in table.to_pylist() if r["carry"]}
-        tables.append(table)
-        chain.append((name.base_offset, K.open_at_end(table), carried))
-    resolved = K.resolve_carries(chain)
-    out = {}
-    for table in tables:
-        for r in table.to_pylist():
-            if r["txn_most_bits"] is not None:
-                least = resolved.get((r["ledger_id"], r["txn_most_bits"]), r["txn_least_bits"]) if r["carry"] else r["txn_least_bits"]
-                out[(r["ledger_id"], r["entry_id"])] = (r["txn_most_bits"], least)
-    return out
+    parsed in one pass into an empty warehouse."""
+    return {(r.ledger_id, r.entry_id): (r.txn_most_bits, r.txn_least_bits)
+            for r in parsed_rows(warehouse, segments) if r.txn_most_bits is not None}
+
+
+CODECS = ("none", "gzip", "snappy", "lz4", "zstd")
+
+
+def batch_spans(buf: bytes) -> list[tuple[int, int]]:
+    """(start, end) of each record batch of a well-formed segment: baseOffset, then batchLength."""
+    spans, pos = [], 0
+    while pos < len(buf):
+        end = pos + 12 + struct.unpack_from(">i", buf, pos + 8)[0]
+        spans.append((pos, end))
+        pos = end
+    return spans
+
+
+def codec_of(buf: bytes, start: int) -> str:
+    return CODECS[struct.unpack_from(">h", buf, start + 21)[0] & 7]  # attributes follow the CRC
 
 
 def test_transactions_over_segments_and_imports_and_reimport(warehouse, kafka):
@@ -132,7 +147,7 @@ def test_transactions_over_segments_and_imports_and_reimport(warehouse, kafka):
     from the stored ones) its rows carry the ids a one-pass parse gives, and importing the whole
     partition again adds nothing."""
     segments = segments_of(kafka.log_dir, "orders-0")
-    expected = expected_txn_ids(segments)
+    expected = expected_txn_ids(warehouse, segments)
     assert any(least < ledger for (ledger, _e), (_m, least) in expected.items()), "no transaction spans segments"
     import_kafka(warehouse, [str(s) for s in segments[:2]])
     import_kafka(warehouse, [str(s) for s in segments[2:]])
@@ -142,35 +157,35 @@ def test_transactions_over_segments_and_imports_and_reimport(warehouse, kafka):
     assert again.rows_written == 0 and again.rows_quarantined == 0 and again.rows_already_present > len(expected)
 
 
-def test_every_codec_parses_and_checks_its_crc(kafka):
-    codecs = Counter()
-    for segment in sorted(kafka.log_dir.glob("*-*/*.log")):
-        name = K.segment_name(str(segment))
-        if name is None or name.topic.startswith("__"):
-            continue
-        buf = segment.read_bytes()
-        for start, _end in K.batch_spans(buf):
-            codecs[K.CODECS[struct.unpack_from(">h", buf, start + K.CRC_START)[0] & 7]] += 1
-        table = K.parse_segment(name.topic, name.base_offset, buf)
-        assert table.column("error").null_count == table.num_rows, table.column("error")
-    assert set(codecs) == set(K.CODECS), codecs
+def test_every_codec_parses_and_checks_its_crc(warehouse, kafka):
+    codecs, records = Counter(), 0
+    segments = [p for p in sorted(kafka.log_dir.glob("*-*/*.log"))
+                if K.segment_name(str(p)) is not None and not K.segment_name(str(p)).topic.startswith("__")]
+    for path in segments:
+        buf = path.read_bytes()
+        codecs.update(codec_of(buf, start) for start, _end in batch_spans(buf))
+        records += sum(struct.unpack_from(">i", buf, start + 57)[0] for start, _end in batch_spans(buf))  # recordCount
+    rows = parsed_rows(warehouse, segments)
+    assert [r.error for r in rows if r.error is not None] == []
+    assert len(rows) == records
+    assert set(codecs) == set(CODECS), codecs
 
 
 def test_a_corrupt_batch_is_quarantined_with_its_position(warehouse, kafka, tmp_path):
-    source = max(segments_of(kafka.log_dir, "orders-0"), key=lambda s: len(list(K.batch_spans(s.read_bytes()))))
+    source = max(segments_of(kafka.log_dir, "orders-0"), key=lambda s: len(batch_spans(s.read_bytes())))
     folder = tmp_path / "orders-0"
     folder.mkdir()
     buf = bytearray(source.read_bytes())
-    start, end = list(K.batch_spans(bytes(buf)))[1]
+    start, end = batch_spans(bytes(buf))[1]
     buf[end - 1] ^= 0xFF  # the last byte of the second batch: its CRC no longer matches
     (folder / source.name).write_bytes(bytes(buf))
     summary = import_kafka(warehouse, [str(folder)]).ingest
     assert summary.quarantine_by_rule == {"corrupt_batch": 1}
     row = warehouse.read(QUARANTINE_ENTRIES).first()
     assert row.line == start and "CRC-32C" in row.reason and source.name in row.source_file
-    whole = K.parse_segment("orders-0", K.segment_name(str(source)).base_offset, source.read_bytes())
-    lost = sum(1 for p in whole.column("batch_position").to_pylist() if p == start)
-    assert summary.rows_written == whole.num_rows - lost
+    whole = parsed_rows(warehouse, [source])
+    lost = sum(1 for r in whole if r.batch_position == start)
+    assert lost and summary.rows_written == len(whole) - lost
 
 
 def test_old_formats_and_other_files_are_refused_before_anything_is_read(warehouse, tmp_path):

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from resources.delta_jars import require_delta_jars
+from resources.kafka_jars import require_segment_reader_jars
 from resources.spark import DEFAULT_SPARK_CONF, effective_conf
 from txn_engine.core.settings import conf_from_environment
 from resources.warehouse import WarehouseResource
-from txn_engine.core.errors import ConfigurationError, DeltaJarsMissingError
+from txn_engine.core.errors import ConfigurationError, DeltaJarsMissingError, KafkaJarsMissingError
 from txn_engine.core.settings import WarehouseSettings
 
 
@@ -204,6 +205,13 @@ def test_missing_delta_jars_name_make_setup(monkeypatch, tmp_path):
     # A cluster that brings its own Delta does not need the cache.
     conf = effective_conf(conf={"spark.jars.packages": "io.delta:delta-spark_4.2_2.13:4.4.0"})
     assert "spark.jars" not in conf or "delta" not in conf["spark.jars"]
+    # Nor the Kafka segment reader's, until an import asks for it.
+    with pytest.raises(KafkaJarsMissingError, match=r"kafka-clients-4.1.1.jar.*Run `make setup`"):
+        require_segment_reader_jars()
+
+
+def test_sessions_carry_the_kafka_segment_reader():
+    assert {p.name for p in require_segment_reader_jars()} <= {Path(j).name for j in effective_conf()["spark.jars"].split(",")}
 
 
 @pytest.mark.parametrize("master,loopback", [

@@ -14,7 +14,7 @@ class DeltaJarsMissingError(ConfigurationError):
 
 
 class KafkaJarsMissingError(ConfigurationError):
-    """The jars of the Kafka broker the tests start are not in the cache."""
+    """The jars of the Kafka broker the tests start, or of the segment reader `import-kafka` runs, are missing."""
 
 
 class InputFileError(TxnlakeError):

@@ -26,7 +26,7 @@ from typing import Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark import StorageLevel
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Observation, SparkSession, Window
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
@@ -573,18 +573,19 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     by position, since every other row is its position's only candidate and nothing is stored
     there. Column `_compared` says which rows were.
     """
-    valid = validated.filter(F.col("rule").isNull())
+    invalid_rule = F.col("rule").isNotNull()  # by `validate`
     if suspect is None:
-        joined = _by_position(valid, existing)
+        joined = _by_position(validated.filter(~invalid_rule), existing)
     else:
-        ledgers = local_frame(valid.sparkSession, [(t, l, True) for t, l in suspect], "topic string, ledger_id bigint, _suspect boolean")
-        marked = valid.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left")
-        compared = _by_position(marked.where(F.col("_suspect").isNotNull()).drop("_suspect"),
+        ledgers = local_frame(validated.sparkSession, [(t, l, True) for t, l in suspect], "topic string, ledger_id bigint, _suspect boolean")
+        marked = validated.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left")
+        compared = _by_position(marked.where(F.col("_suspect").isNotNull() & ~invalid_rule).drop("_suspect"),
                                 existing.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left_semi"))
-        # The others skip the window and the join, the two shuffles of full rows.
-        alone = marked.where(F.col("_suspect").isNull()).select(
-            *valid.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
-                              if c not in valid.columns and c != "_compared"], F.lit(False).alias("_compared"))
+        # The others skip the window and the join, the two shuffles of full rows; the invalid rows
+        # go with them, so that nothing compared means one pass over `validated`, without a union.
+        alone = marked.where(F.col("_suspect").isNull() | invalid_rule).select(
+            *validated.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
+                                  if c not in validated.columns and c != "_compared"], F.lit(False).alias("_compared"))
         joined = alone if not suspect else compared.unionByName(alone)
     if immutable is None:
         joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
@@ -668,9 +669,13 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
     ).when(before_tier, before_tier_reason).when(status == QUARANTINED, sealed_reason)
     checked = joined.select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
-        status.alias("status"), rule.alias("rule"), reason.alias("reason"), "_compared",
+        F.when(invalid_rule, F.lit(QUARANTINED)).otherwise(status).alias("status"),
+        F.when(invalid_rule, F.col("rule")).otherwise(rule).alias("rule"),
+        F.when(invalid_rule, F.col("reason")).otherwise(reason).alias("reason"), "_compared",
     )
-    invalid = validated.filter(F.col("rule").isNotNull()).select(
+    if suspect is not None:
+        return checked
+    invalid = validated.filter(invalid_rule).select(
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         F.lit(QUARANTINED).alias("status"), "rule", "reason", F.lit(False).alias("_compared"),
     )
@@ -696,17 +701,20 @@ def _by_position(valid: DataFrame, existing: DataFrame) -> DataFrame:
     return in_input.join(stored, list(POSITION_COLUMNS), "left").withColumn("_compared", F.lit(True))
 
 
-def suspect_ledgers(warehouse: Warehouse, validated: DataFrame) -> list[tuple[str, int]]:
+def suspect_ledgers(warehouse: Warehouse, validated: DataFrame,
+                    input_ledgers: dict[tuple[str, int], bool] | None = None) -> list[tuple[str, int]]:
     """The ledgers of `validated` that `classify` must compare by position: those with stored
-    rows (`ledger_ranges`, no Spark job) or a position repeated in the input (one job over the
-    positions alone: invalid rows are counted too, which only compares more). A row per ledger
-    reaches the driver."""
+    rows (`ledger_ranges`, no Spark job) or a position repeated in the input. `input_ledgers`,
+    when the caller knows them without reading the rows: {(topic, ledger_id): whether a position
+    may repeat in it}; else one job over the positions alone (invalid rows are counted too, which
+    only compares more), a row per ledger to the driver."""
     stored = ({(r["topic"], r["ledger_id"]) for r in ledger_ranges(warehouse).to_pylist()}
               if warehouse.exists(LEDGER_ENTRIES) else set())
-    per_ledger = (validated.where(F.col("entry_id").isNotNull()).groupBy(*POSITION_COLUMNS).count()
-                  .groupBy("topic", "ledger_id").agg(F.max("count").alias("most")).collect())
-    return sorted((r["topic"], r["ledger_id"]) for r in per_ledger
-                  if r["most"] > 1 or (r["topic"], r["ledger_id"]) in stored)
+    if input_ledgers is None:
+        per_ledger = (validated.where(F.col("entry_id").isNotNull()).groupBy(*POSITION_COLUMNS).count()
+                      .groupBy("topic", "ledger_id").agg(F.max("count").alias("most")).collect())
+        input_ledgers = {(r["topic"], r["ledger_id"]): r["most"] > 1 for r in per_ledger}
+    return sorted(ledger for ledger, repeats in input_ledgers.items() if repeats or ledger in stored)
 
 
 def _same_entry(other: Column) -> Column:
@@ -731,7 +739,8 @@ def ingest_files(warehouse: Warehouse, paths: Sequence[str]) -> IngestSummary:
 
 
 def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str],
-                     in_position_order: bool = False) -> IngestSummary:
+                     in_position_order: bool = False, input_ledgers: dict[tuple[str, int], bool] | None = None,
+                     count_while_writing: bool = False) -> IngestSummary:
     """Classify `validate`d rows against what is stored, quarantine the bad ones and append the
     new ones (the rules of `classify`): idempotent, and a crash between the two writes is
     repaired by running it again. Every importer of raw entries appends through here.
@@ -739,7 +748,10 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
     `validated` is read by several jobs (the positions, the counts, each write): pass a persisted
     frame when computing it costs. `in_position_order`: each of its partitions holds whole
     ledgers in position order (a Kafka segment per task), so the rows not compared by position
-    are written as they come, without the range repartition and sort."""
+    are written as they come, without the range repartition and sort. `input_ledgers`: see
+    `suspect_ledgers`. `count_while_writing` (rows that cannot carry unknown columns): when no
+    ledger is compared by position, the counts are observed while the new rows are written, so
+    `validated` is computed once (again only to quarantine rows, after the append)."""
     summary = IngestSummary(
         ingest_id=uuid.uuid4().hex[:12],
         files=files,
@@ -750,73 +762,115 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
     # concurrent ingest cannot slip a row in between the check and the write.
     with warehouse.writer(LEDGER_ENTRIES):
         existing = warehouse.read_or_empty(LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA)
-        suspect = suspect_ledgers(warehouse, validated)
+        suspect = suspect_ledgers(warehouse, validated, input_ledgers)
         classified = classify(validated, existing, immutable_ledgers(warehouse), suspect)
         if suspect:  # keep the shuffled comparison for the counts and both writes
             classified = classified.persist(StorageLevel.MEMORY_AND_DISK)
         try:
-            # One job: the counts, the ledgers appended to (for the gap check) and unknown columns.
             is_new = F.col("status") == NEW
-            has_unknown = F.size("_unknown_columns") > 0
-            tally = classified.groupBy(
-                "status", "rule", F.col("topic").alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")
-            ).agg(
-                F.count("*").alias("n"),
-                F.collect_set(F.when(has_unknown, F.struct("source_file", "_unknown_columns"))).alias("unknown"),
-                F.min(F.when(has_unknown, F.struct("source_file", "line"))).alias("first_unknown"),
-            ).collect()
-            unknown = sorted({(u["source_file"], c) for r in tally for u in r["unknown"] for c in u["_unknown_columns"]})
-            if unknown:
-                first = min(r["first_unknown"] for r in tally if r["first_unknown"] is not None)
-                raise unknown_columns_error(
-                    first["source_file"], [c for f, c in unknown if f == first["source_file"]],
-                    f" (first on line {first['line']})",
-                )
-            counts: dict[str, int] = {}
-            by_rule: dict[str, int] = {}
-            for r in tally:
-                counts[r["status"]] = counts.get(r["status"], 0) + r["n"]
-                if r["status"] == QUARANTINED:
-                    by_rule[r["rule"]] = by_rule.get(r["rule"], 0) + r["n"]
-            appended_to = {(r["t"], r["l"]) for r in tally if r["status"] == NEW}
-            for r in tally:
-                if r["t"] is not None:
-                    by_status = summary.rows_by_topic.setdefault(r["t"], {})
-                    by_status[r["status"]] = by_status.get(r["status"], 0) + r["n"]
-            summary.rows_read = sum(counts.values())
-            summary.rows_written = counts.get(NEW, 0)
-            summary.rows_already_present = counts.get(PRESENT, 0)
-            summary.rows_repeated_in_input = counts.get(REPEATED, 0)
-            summary.rows_in_deleted_ledgers = counts.get(IN_DELETED_LEDGER, 0)
-            summary.rows_quarantined = counts.get(QUARANTINED, 0)
-            summary.quarantine_by_rule = by_rule
-            # Quarantine first: if we stop between the two commits, a re-run redoes both and
-            # each is idempotent.
-            if summary.rows_quarantined:
-                _write_quarantine(warehouse, classified, summary.ingest_id)
-            elif not warehouse.exists(QUARANTINE_ENTRIES):
-                # The table the summary names exists from the first ingest on, empty or not.
-                DeltaTables(warehouse).overwrite(QUARANTINE_ENTRIES, [], QUARANTINE_ENTRIES_SCHEMA)
-            if summary.rows_written or not warehouse.exists(LEDGER_ENTRIES):
-                # Files of contiguous positions, sorted: a ledger's entries sit together, so
-                # aggregates by ledger and transaction combine before they shuffle, and readers
-                # skip files by their ledger_id statistics (docs/benchmarks.md, "Buffer").
-                new = classified.filter(F.col("status") == NEW)
-                columns = [F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
-                ranged = new.where(F.col("_compared")) if in_position_order else new
-                new_rows = ranged.select(*columns).repartitionByRange(
-                    max(1, -(-summary.rows_written // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(*POSITION_COLUMNS)
-                if in_position_order:
-                    new_rows = new_rows.unionByName(new.where(~F.col("_compared")).select(*columns))
-                retry_delta_conflicts(
-                    lambda: stored_frame(LEDGER_ENTRIES, new_rows).write.format("delta").mode("append").save(
-                        warehouse.path(LEDGER_ENTRIES))
-                )
+            if count_while_writing and in_position_order and not suspect:
+                warehouse.spark._jvm.io.txnlake.spark.Tally.register(warehouse.spark._jsparkSession)
+                observation = Observation(f"ingest-{summary.ingest_id}")
+                observed = classified.observe(observation, F.call_function(TALLY, F.concat_ws(
+                    _TALLY_SEP, *[F.coalesce(c.cast("string"), F.lit(_TALLY_NULL)) for c in _tally_keys(is_new)])).alias("tally"))
+                _append_new(warehouse, observed, in_position_order, None)
+                appended_to = _summarize(summary, _observed_tally(observation.get["tally"]))
+                # After the append: a crash before this write is repaired by running it again, which
+                # finds the same rows to quarantine (no rule of theirs depends on the append).
+                _write_quarantine_if_any(warehouse, classified, summary)
+            else:
+                # One job: the counts, the ledgers appended to (for the gap check) and unknown columns.
+                has_unknown = F.size("_unknown_columns") > 0
+                tally = classified.groupBy(*_tally_keys(is_new)).agg(
+                    F.count("*").alias("n"),
+                    F.collect_set(F.when(has_unknown, F.struct("source_file", "_unknown_columns"))).alias("unknown"),
+                    F.min(F.when(has_unknown, F.struct("source_file", "line"))).alias("first_unknown"),
+                ).collect()
+                unknown = sorted({(u["source_file"], c) for r in tally for u in r["unknown"] for c in u["_unknown_columns"]})
+                if unknown:
+                    first = min(r["first_unknown"] for r in tally if r["first_unknown"] is not None)
+                    raise unknown_columns_error(
+                        first["source_file"], [c for f, c in unknown if f == first["source_file"]],
+                        f" (first on line {first['line']})",
+                    )
+                appended_to = _summarize(summary, [(r["status"], r["rule"], r["t"], r["l"], r["n"]) for r in tally])
+                # Quarantine first: if we stop between the two commits, a re-run redoes both and
+                # each is idempotent.
+                _write_quarantine_if_any(warehouse, classified, summary)
+                if summary.rows_written or not warehouse.exists(LEDGER_ENTRIES):
+                    _append_new(warehouse, classified, in_position_order, summary.rows_written)
             if appended_to:
                 summary.entry_id_gaps = entry_id_gaps(warehouse, appended_to)
         finally:
             classified.unpersist()
     return summary
+
+
+TALLY = "txnlake_tally"  # io.txnlake.spark.Tally (resources/java), registered in the session where used
+_TALLY_SEP, _TALLY_NULL = "\u0001", "\u0002"
+
+
+def _tally_keys(is_new: Column) -> list[Column]:
+    """What the counts are by: status, rule, topic, and the ledger of a new row (for the gap check)."""
+    return [F.col("status"), F.col("rule"), F.col("topic").alias("t"), F.when(is_new, F.col("ledger_id")).alias("l")]
+
+
+def _observed_tally(lines: str) -> list[tuple]:
+    out = []
+    for line in lines.splitlines():
+        key, _, n = line.rpartition("\t")
+        status, rule, topic, ledger = (None if v == _TALLY_NULL else v for v in key.split(_TALLY_SEP))
+        out.append((status, rule, topic, None if ledger is None else int(ledger), int(n)))
+    return out
+
+
+def _summarize(summary: IngestSummary, tally: list[tuple]) -> set[tuple[str, int]]:
+    """The summary's counts from (status, rule, topic, new row's ledger, rows) tuples; the ledgers appended to."""
+    appended_to = set()
+    counts: dict[str, int] = {}
+    by_rule: dict[str, int] = {}
+    for status, rule, topic, ledger, n in tally:
+        counts[status] = counts.get(status, 0) + n
+        if status == QUARANTINED:
+            by_rule[rule] = by_rule.get(rule, 0) + n
+        if topic is not None:
+            by_status = summary.rows_by_topic.setdefault(topic, {})
+            by_status[status] = by_status.get(status, 0) + n
+        if status == NEW:
+            appended_to.add((topic, ledger))
+    summary.rows_read = sum(counts.values())
+    summary.rows_written = counts.get(NEW, 0)
+    summary.rows_already_present = counts.get(PRESENT, 0)
+    summary.rows_repeated_in_input = counts.get(REPEATED, 0)
+    summary.rows_in_deleted_ledgers = counts.get(IN_DELETED_LEDGER, 0)
+    summary.rows_quarantined = counts.get(QUARANTINED, 0)
+    summary.quarantine_by_rule = by_rule
+    return appended_to
+
+
+def _write_quarantine_if_any(warehouse: Warehouse, classified: DataFrame, summary: IngestSummary) -> None:
+    if summary.rows_quarantined:
+        _write_quarantine(warehouse, classified, summary.ingest_id)
+    elif not warehouse.exists(QUARANTINE_ENTRIES):
+        # The table the summary names exists from the first ingest on, empty or not.
+        DeltaTables(warehouse).overwrite(QUARANTINE_ENTRIES, [], QUARANTINE_ENTRIES_SCHEMA)
+
+
+def _append_new(warehouse: Warehouse, classified: DataFrame, in_position_order: bool, rows: int | None) -> None:
+    """Append the NEW rows of `classified` (`rows` of them, None when not known yet)."""
+    # Files of contiguous positions, sorted: a ledger's entries sit together, so aggregates by
+    # ledger and transaction combine before they shuffle, and readers skip files by their
+    # ledger_id statistics (docs/benchmarks.md, "Buffer").
+    new = classified.filter(F.col("status") == NEW)
+    columns = [F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
+    ranged = new.where(F.col("_compared")) if in_position_order else new
+    new_rows = ranged.select(*columns).repartitionByRange(
+        max(1, -(-(rows or 0) // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(*POSITION_COLUMNS)
+    if in_position_order:
+        new_rows = new_rows.unionByName(new.where(~F.col("_compared")).select(*columns))
+    retry_delta_conflicts(
+        lambda: stored_frame(LEDGER_ENTRIES, new_rows).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
+    )
 
 
 def entry_id_gaps(warehouse: Warehouse, ledgers: set[tuple[str, int]]) -> list[dict]:

@@ -1,27 +1,29 @@
 """`txnlake import-kafka`: Kafka segments into `ledger_entries` through ingest's validated,
 idempotent, crash-safe append (`ingest.validate`, `ingest.append_validated`).
 
-Segments are parsed on Spark, a file per task (`binaryFile` + `mapInArrow`, `kafka_log`); the
-transactions carried across segments are resolved in the driver from a row per (segment,
-producer) and the stored rows before the import. A batch that cannot be read is quarantined
-with its segment and byte position (rule `corrupt_batch`). `verify_against_index` compares
-`aborted_txns` with the segments' `.txnindex`. See docs/kafka-import.md.
+Segments are parsed on Spark in the JVM with Kafka's own record classes, a segment per task
+(`io.txnlake.kafka.SegmentReader`, `resources/java`), once, as the append writes them. The
+transactions open where a segment starts are known before: a scan of the earlier segments'
+batch headers (`SegmentReader.scan`) and the stored rows before the import, chained in the
+driver (`kafka_log.open_before`). A batch that cannot be read is quarantined with its segment and
+byte position (rule `corrupt_batch`). `verify_against_index` compares `aborted_txns` with the
+segments' `.txnindex`. See docs/kafka-import.md.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-import pyarrow as pa
-from pyspark import Accumulator, AccumulatorParam, StorageLevel
+from py4j.java_gateway import JavaClass
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from txn_engine.core.errors import InputFileError
+from txn_engine.core.errors import InputFileError, KafkaJarsMissingError
 from txn_engine.core.schema import ABORTED_TXNS, LEDGER_ENTRIES, LEDGER_ENTRY_COLUMNS
 from txn_engine.log import kafka_log
 from txn_engine.log.ingest import IngestSummary, append_validated, validate
@@ -30,12 +32,6 @@ from txn_engine.log.ledgers import ledger_ranges
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.warehouse import Warehouse
 
-PARSED_DDL = (
-    "topic string, ledger_id bigint, entry_id bigint, entry_type string, txn_most_bits bigint, "
-    "txn_least_bits bigint, producer_id bigint, producer_epoch int, sequence_id bigint, publish_time timestamp, "
-    "key string, payload binary, key_bytes binary, headers array<struct<key:string,value:binary>>, "
-    "timestamp_type string, batch_position bigint, carry boolean, error string, source_file string"
-)
 CORRUPT_BATCH = "corrupt_batch"
 # Kafka's own partitions (consumer offsets, transaction state, the metadata log) are no topic's data.
 INTERNAL_PREFIX = "__"
@@ -102,50 +98,93 @@ def _read_bytes(jvm, fs, path, size: int | None = None) -> bytes:
         stream.close()
 
 
-class _SegmentsParsed(AccumulatorParam):
-    """{segment path: records}: what the parse tasks have done, as they finish (a task run again
-    adds nothing)."""
+def _reader(spark: SparkSession):
+    """`io.txnlake.kafka.SegmentReader`; KafkaJarsMissingError when the session started without its jar."""
+    reader = spark.sparkContext._jvm.io.txnlake.kafka.SegmentReader
+    if not isinstance(reader, JavaClass):  # py4j names a class it cannot load as a package
+        raise KafkaJarsMissingError(
+            "the Kafka segment reader (kafka-clients and txnlake's reader jar) is not on this Spark session's class "
+            "path: run `make setup` (it fetches and builds them into the jar cache), then run the import in a new process")
+    return reader
 
-    def zero(self, value: dict) -> dict:
+
+def _spec(segment: Segment, open_before: dict[int, int] | None = None) -> str:
+    """A segment as `SegmentReader` takes it: path, topic, base offset, the transactions open before it."""
+    txns = ",".join(f"{pid}:{first}" for pid, first in sorted((open_before or {}).items()))
+    return f"{segment.path}\t{segment.topic}\t{segment.base_offset}\t{txns}"
+
+
+def scan_segments(spark: SparkSession, segments: Sequence[Segment]) -> dict[str, tuple[dict[int, tuple[int, bool]], set[int]]]:
+    """{path: (the transactions open at its end: {producer: (provisional first offset, carried)},
+    the producers with a transaction open where it starts)}, from batch headers (a Spark job)."""
+    if not segments:
         return {}
+    out = {}
+    for line in _reader(spark).scan(spark._jsparkSession, [_spec(s) for s in segments]):
+        path, ends, carried = str(line).split("\t")
+        out[path] = ({int(pid): (int(first), carry == "1") for pid, first, carry in
+                      (e.split(":") for e in ends.split(",") if e)},
+                     {int(pid) for pid in carried.split(",") if pid})
+    return out
 
-    def addInPlace(self, a: dict, b: dict) -> dict:
-        a.update(b)
-        return a
+
+def transactions_open_before(warehouse: Warehouse, segments: Sequence[Segment]) -> dict[str, dict[int, int]]:
+    """{segment path: {producer id: first offset}}: the transactions open where each segment
+    starts, from the stored rows before the import and the earlier segments' batch headers (the
+    last segment of a partition is not scanned: nothing comes after it)."""
+    by_topic: dict[str, list[Segment]] = {}
+    for s in segments:
+        by_topic.setdefault(s.topic, []).append(s)
+    firsts = {topic: min(s.base_offset for s in group) for topic, group in by_topic.items()}
+    initial = _stored_open_txns(warehouse, firsts)
+    scanned = scan_segments(warehouse.spark, [s for group in by_topic.values() for s in sorted(group, key=lambda s: s.base_offset)[:-1]])
+    out = {}
+    for topic, group in by_topic.items():
+        group = sorted(group, key=lambda s: s.base_offset)
+        chain = [(s.base_offset, *scanned[s.path]) for s in group[:-1]] + [(group[-1].base_offset, {}, set())]
+        before = kafka_log.open_before(chain, initial.get(topic))
+        out.update((s.path, before[s.base_offset]) for s in group)
+    return out
 
 
-def parse_segments(spark: SparkSession, segments: Sequence[Segment], done: Accumulator | None = None) -> DataFrame:
-    """The rows of `kafka_log.PARSED_SCHEMA` (plus `source_file`) of every segment, carries
-    unresolved; each segment's path and record count added to `done` as it is parsed."""
+def parse_segments(spark: SparkSession, segments: Sequence[Segment], open_before: dict[str, dict[int, int]] | None = None,
+                   done=None) -> DataFrame:
+    """Every record of the segments as a row of `SegmentReader.SCHEMA`, a segment per task, each
+    carried transaction given its first offset from `open_before` ({path: {producer: first
+    offset}}); each segment's "path\trecords" added to `done` (a JVM CollectionAccumulator) as it is read."""
+    specs = [_spec(s, (open_before or {}).get(s.path)) for s in segments]
+    return DataFrame(_reader(spark).parse(spark._jsparkSession, specs, done), spark)
 
-    def parse_files(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        # mapInArrow over `binaryFile` rows (runs in Spark's Python workers).
-        for batch in batches:
-            contents = batch.column("content")
-            for i, path in enumerate(batch.column("path").to_pylist()):
-                name = kafka_log.segment_name(path)
-                table = kafka_log.parse_segment(name.topic, name.base_offset, contents[i].as_py())
-                table = table.append_column("source_file", pa.array([path] * table.num_rows, pa.string()))
-                yield from table.to_batches()
-                if done is not None:
-                    done.add({path: table.num_rows})
 
-    files = spark.read.format("binaryFile").load([s.path for s in segments])
-    return files.mapInArrow(parse_files, PARSED_DDL)
+def parsed_accumulator(spark: SparkSession):
+    """A JVM accumulator of "path\trecords" lines, one per segment read (a task run again repeats its line)."""
+    sc = spark.sparkContext._jsc.sc()
+    acc = spark.sparkContext._jvm.org.apache.spark.util.CollectionAccumulator()
+    sc.register(acc, "txnlake import-kafka segments parsed")
+    return acc
+
+
+def _parsed_so_far(acc) -> dict[str, int]:
+    out = {}
+    for line in list(acc.value()):
+        path, _, records = str(line).rpartition("\t")
+        out[path] = int(records)
+    return out
 
 
 @contextmanager
-def partition_progress(segments: Sequence[Segment], done: Accumulator, progress: Callable[[str], None],
+def partition_progress(segments: Sequence[Segment], done, progress: Callable[[str], None],
                        started: float, poll_s: float = 0.5) -> Iterator[None]:
-    """While the body runs (the job that parses), a line per partition as its last segment is
-    parsed: its segments, records and the seconds since `started`; the rest when the body ends."""
+    """While the body runs (the jobs that parse), a line per partition as its last segment is
+    parsed (`done`: `parsed_accumulator`): its segments, records and the seconds since `started`;
+    the rest when the body ends."""
     wanted: dict[str, set[str]] = {}
     for s in segments:
         wanted.setdefault(s.topic, set()).add(s.path)
     reported: set[str] = set()
 
     def report() -> None:
-        parsed = dict(done.value)
+        parsed = _parsed_so_far(done)
         for topic in sorted(wanted):
             if topic not in reported and wanted[topic] <= parsed.keys():
                 reported.add(topic)
@@ -191,42 +230,12 @@ def _stored_open_txns(warehouse: Warehouse, firsts: dict[str, int]) -> dict[str,
     return out
 
 
-def resolve_transactions(warehouse: Warehouse, parsed: DataFrame, segments: Sequence[Segment]) -> DataFrame:
-    """`parsed` with every carried row's `txn_least_bits` set to its transaction's first offset."""
-    per_segment = (parsed.where(F.col("txn_most_bits").isNotNull())
-                   .groupBy("topic", "ledger_id", "txn_most_bits")
-                   .agg(F.max(F.col("carry").cast("int")).alias("carried"),
-                        F.max_by(F.struct("entry_type", "txn_least_bits", "carry"), "entry_id").alias("last"))
-                   .collect())
-    by_topic: dict[str, dict[int, tuple[dict, set]]] = {}
-    for r in per_segment:
-        ends, carried = by_topic.setdefault(r["topic"], {}).setdefault(r["ledger_id"], ({}, set()))
-        if r["carried"]:
-            carried.add(r["txn_most_bits"])
-        if r["last"]["entry_type"] == "DATA":
-            ends[r["txn_most_bits"]] = (r["last"]["txn_least_bits"], r["last"]["carry"])
-    firsts: dict[str, int] = {}
-    for s in segments:
-        firsts[s.topic] = min(firsts.get(s.topic, s.base_offset), s.base_offset)
-    initial = _stored_open_txns(warehouse, firsts)
-    mapping = []
-    for topic, ledgers in by_topic.items():
-        chain = [(ledger, ends, carried) for ledger, (ends, carried) in sorted(ledgers.items())]
-        resolved = kafka_log.resolve_carries(chain, initial.get(topic))
-        mapping += [(topic, ledger, pid, first) for (ledger, pid), first in resolved.items()]
-    if not mapping:
-        return parsed
-    fix = local_frame(warehouse.spark, mapping, "topic string, ledger_id bigint, txn_most_bits bigint, _first bigint")
-    joined = parsed.join(F.broadcast(fix), ["topic", "ledger_id", "txn_most_bits"], "left")
-    least = F.when(F.col("carry") & F.col("_first").isNotNull(), F.col("_first")).otherwise(F.col("txn_least_bits"))
-    return joined.withColumn("txn_least_bits", least).drop("_first")
-
-
 def as_raw_rows(parsed: DataFrame) -> DataFrame:
     """The parsed rows in the shape `ingest.validate` reads: `line` is the record's offset (a
-    batch that cannot be read: its byte position), a corrupt batch a parse error of its own rule."""
+    batch that cannot be read: its byte position), a corrupt batch a parse error of its own rule.
+    The key's bytes go as `key_bytes` alone: validation keeps those that are UTF-8 as `key`."""
     error = F.col("error").isNotNull()
-    return parsed.select(
+    return parsed.withColumn("key", F.lit(None).cast("string")).select(
         "source_file",
         F.when(error, F.col("batch_position")).otherwise(F.col("ledger_id") + F.col("entry_id")).alias("line"),
         F.when(error, F.concat(F.lit("segment bytes from "), F.col("batch_position").cast("string"))).alias("raw"),
@@ -261,19 +270,21 @@ def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[
     started = time.monotonic()
     spark = warehouse.spark
     segments = resolve_segments(spark, paths)
+    _reader(spark)
     topics = sorted({s.topic for s in segments})
     progress(f"import-kafka: {len(segments)} segment(s) of {len(topics)} partition(s): {', '.join(topics[:10])}"
              + (" ..." if len(topics) > 10 else ""))
-    done = spark.sparkContext.accumulator({}, _SegmentsParsed())
-    # Parsed once: the transaction chain and the append both read it.
-    parsed = parse_segments(spark, segments, done).persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        with partition_progress(segments, done, progress, started):  # the chain's job parses
-            rows = resolve_transactions(warehouse, parsed, segments)
-        # A task parses whole segments in offset order: ledgers in position order, written as they come.
-        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True)
-    finally:
-        parsed.unpersist()
+    open_before = transactions_open_before(warehouse, segments)
+    done = parsed_accumulator(spark)
+    rows = parse_segments(spark, segments, open_before, done)
+    with partition_progress(segments, done, progress, started):
+        # A task parses a whole segment in offset order: ledgers in position order, written as they come.
+        # A position repeats only in a ledger read from two files: a segment's offsets strictly
+        # increase (`SegmentReader` quarantines a batch where they do not), so no job looks for them.
+        files_per_ledger = Counter((s.topic, s.base_offset) for s in segments)
+        summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True,
+                                   input_ledgers={ledger: n > 1 for ledger, n in files_per_ledger.items()},
+                                   count_while_writing=True)
     result = KafkaImportSummary(segments, summary)
     for line in result.partition_lines():
         progress(line)
