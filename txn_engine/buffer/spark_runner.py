@@ -177,13 +177,14 @@ def _topic_runs(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
 
 def ledger_chunks(batches: Iterable[pa.RecordBatch], entries: int) -> Iterator[pa.Table]:
     """Batches sorted by (topic, ledger_id, entry_id) as tables of whole ledgers of one topic: each
-    of at least `entries` rows (but a topic's last), ending at a ledger's end."""
+    of at least `entries` rows (but a topic's last), ending at a ledger's end; each in one piece
+    (the kernel's steps over a table of many small batches cost several times more)."""
     held: list[pa.RecordBatch] = []
     count = 0
     for batch in batches:
         for run in _topic_runs(batch):
             if held and held[0].column("topic")[0] != run.column("topic")[0]:
-                yield pa.Table.from_batches(held)
+                yield pa.Table.from_batches(held).combine_chunks()
                 held, count = [], 0
             held.append(run)
             count += run.num_rows
@@ -193,10 +194,10 @@ def ledger_chunks(batches: Iterable[pa.RecordBatch], entries: int) -> Iterator[p
             ledger = table["ledger_id"]
             cut = pc.index(ledger, ledger[-1]).as_py()  # the last ledger may go on in the next batch
             if cut > 0:
-                yield table.slice(0, cut)
+                yield table.slice(0, cut).combine_chunks()
                 held, count = table.slice(cut).to_batches(), table.num_rows - cut
     if held:
-        yield pa.Table.from_batches(held)
+        yield pa.Table.from_batches(held).combine_chunks()
 
 
 @dataclass(frozen=True)
