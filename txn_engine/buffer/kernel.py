@@ -380,7 +380,8 @@ _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id",
 # `VISIBLE` as segments of a ledger's entry ids, for a join by (topic, ledger) and a lookup by entry
 # id (the Spark runner's committed rows): a row's code is -1 when it is not visible, else
 # local_seq << 32 | target << 2 | in_stable_prefix << 1 | at_own_position, where `target`
-# indexes the segment's `targets` (the visible positions that are not the rows' own).
+# indexes the segment's `targets` (the visible positions that are not the rows' own). The Spark
+# runner reads `in_stable_prefix` from the run's last stable position instead (`fold_scopes`).
 SEGMENT_GAP = 1024  # entry ids further apart than this start a new segment
 CODE_SEQ_SHIFT, CODE_TARGET_SHIFT = 32, 2
 CODE_TARGET_MASK = (1 << 30) - 1
