@@ -52,6 +52,11 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
     ])
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: figures go with them)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 class WriteClock(StepClock):
     """`after_write` hook of `refresh_buffer`: prints the seconds each table's write took (where the time goes)."""
 
@@ -72,7 +77,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     from txn_engine.core.settings import WarehouseSettings
     from txn_engine.storage.warehouse import Warehouse
 
-    print(f"== transaction buffer benchmark: {entries:,} entries, workdir {workdir}")
+    print(f"== transaction buffer benchmark: {entries:,} entries, workdir {workdir}, load average {load_average()}")
     raw = workdir / "raw.parquet"
     with timed(f"generate {entries:,} entries (parquet)"):
         generate_ledger_file(raw, entries=entries, seed=seed)
@@ -193,6 +198,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "python_peak_rss_mib_after_full": python_peak_full,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
+        "load_average_at_end": load_average(),
     }
     print("-- results")
     for key, value in result.items():
@@ -249,6 +255,7 @@ def one_topic_full_run(workdir: Path) -> dict:
         "python_worker_address_limit": sorted(set(workers.limits.values())),
         "driver_python_peak_rss_mib": round(python_peak_rss_mib(), 1),
         "conf": {k: spark.conf.get(k) for k in ONE_TOPIC_CONF},
+        "load_average_at_end": load_average(),
     }
     print("ONE_TOPIC_RESULT " + json.dumps(result), flush=True)
     return result
