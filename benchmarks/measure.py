@@ -54,6 +54,20 @@ def _status(pid: int, key: str) -> int | None:
     return None
 
 
+def _python_workers(pid: int) -> list[int]:
+    """The PySpark daemon and workers below `pid` (not the JVM's other children: a fork of the JVM
+    reports the JVM's own peak)."""
+    found = []
+    for child in _descendants(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"pyspark" in f.read():
+                    found.append(child)
+        except OSError:
+            pass
+    return found
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -73,8 +87,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 class ChildPeaks:
-    """The peak resident memory (VmHWM) of every process below `pid` (the Spark JVM's Python
-    workers), polled every `interval_s` from a thread: a worker's peak is read while it lives."""
+    """The peak resident memory (VmHWM) of the Python workers below `pid` (the Spark JVM), polled every `interval_s` from a thread: a worker's peak is read while it lives."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         self.pid, self.interval_s = pid, interval_s
@@ -85,7 +98,7 @@ class ChildPeaks:
 
     def _poll(self) -> None:
         while not self._stop.is_set():
-            for child in _descendants(self.pid):
+            for child in _python_workers(self.pid):
                 peak = _status(child, "VmHWM:")
                 if peak is not None:
                     self.peaks_kib[child] = max(peak, self.peaks_kib.get(child, 0))
