@@ -87,7 +87,8 @@ def _descendants(pid: int) -> list[int]:
 
 
 class ChildPeaks:
-    """The peak resident memory (VmHWM) of the Python workers below `pid` (the Spark JVM), polled every `interval_s` from a thread: a worker's peak is read while it lives."""
+    """The peak resident memory (VmHWM) of the Python workers below `pid` (the Spark JVM), polled
+    every `interval_s` from a thread: a worker's peak is read while it lives."""
 
     def __init__(self, pid: int, interval_s: float = 0.2):
         self.pid, self.interval_s = pid, interval_s
