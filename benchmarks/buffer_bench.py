@@ -11,18 +11,27 @@ Measured side by side in one run, on the same `ledger_entries` Delta table:
   in the driver, against the full run; then the same step on Spark.
 Prints seconds, rows/s, peak memory and the ratios (targets: full <= 2x plain copy, incremental
 <= 5% of full). Figures: docs/benchmarks.md, "buffer".
+
+`BENCH_BUFFER_ONE_TOPIC=1`: the memory bound instead. N entries in one topic, generated and
+ingested in a process of its own, then the Spark full run in another with 2 GiB for the JVM
+(`spark.driver.memory`, local mode) and 2 GiB for each Python worker
+(`spark.executor.pyspark.memory`, an address-space limit PySpark sets on the worker); prints the
+time and the peak resident memory of the JVM and of the Python workers.
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.measure import jvm_peak_rss_mib, python_peak_rss_mib, timed
+from benchmarks.measure import ChildPeaks, jvm_peak_rss_mib, python_peak_rss_mib, timed
 from txn_engine.core.step_clock import StepClock
 
 
@@ -41,6 +50,11 @@ def new_ledger(spark, raw: Path, entries: int, topic: str, ledger_id: int):
         else F.lit(None).cast(f.dataType).alias(f.name)  # what a generated log leaves out (key_bytes, headers, ...)
         for f in LEDGER_ENTRIES_SCHEMA.fields
     ])
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: figures go with them)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 class WriteClock(StepClock):
@@ -63,7 +77,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     from txn_engine.core.settings import WarehouseSettings
     from txn_engine.storage.warehouse import Warehouse
 
-    print(f"== transaction buffer benchmark: {entries:,} entries, workdir {workdir}")
+    print(f"== transaction buffer benchmark: {entries:,} entries, workdir {workdir}, load average {load_average()}")
     raw = workdir / "raw.parquet"
     with timed(f"generate {entries:,} entries (parquet)"):
         generate_ledger_file(raw, entries=entries, seed=seed)
@@ -184,6 +198,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "python_peak_rss_mib_after_full": python_peak_full,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
+        "load_average_at_end": load_average(),
     }
     print("-- results")
     for key, value in result.items():
@@ -191,16 +206,98 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     return result
 
 
+# The memory bound of the Spark path (issue 40): a JVM and its Python worker in 2 GiB each.
+ONE_TOPIC_CONF = {"spark.driver.memory": "2g", "spark.executor.pyspark.memory": "2g"}
+
+
+def one_topic_prepare(entries: int, workdir: Path, seed: int = 11) -> None:
+    """`ledger_entries` and `ledgers` of `entries` generated entries in one topic (default Spark settings)."""
+    from resources.spark import get_spark
+    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.log.generate import generate_ledger_file
+    from txn_engine.log.ingest import ingest_files
+    from txn_engine.log.ledgers import derive_ledger_catalog
+    from txn_engine.storage.warehouse import Warehouse
+
+    raw = workdir / "raw.parquet"
+    with timed(f"generate {entries:,} entries in one topic (parquet)"):
+        generate_ledger_file(raw, entries=entries, seed=seed, topics=1)
+    wh = Warehouse(get_spark(), WarehouseSettings(warehouse=str(workdir / "wh")))
+    with timed("ingest (validate + append to ledger_entries)"):
+        ingest_files(wh, [str(raw)])
+    with timed("ledgers catalog"):
+        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+
+
+def one_topic_full_run(workdir: Path) -> dict:
+    """The Spark full run over the prepared warehouse, under `ONE_TOPIC_CONF`, with peak memory."""
+    from resources.spark import get_spark
+    from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
+    from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
+
+    spark = get_spark(conf=ONE_TOPIC_CONF)
+    wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / "wh")))
+    pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
+    with ChildPeaks(pid) as workers, timed("full run on Spark, one topic, 2g JVM + 2g Python worker") as t_full:
+        steps = WriteClock()
+        full = refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=steps, compute="spark")
+    result = {
+        "entries": wh.read(LEDGER_ENTRIES).count(),
+        "full_on_spark_s": round(t_full.seconds, 2),
+        "computed_by": full.computed_by,
+        "committed_entries": wh.read(COMMITTED_ENTRIES).count(),
+        "jvm_peak_rss_mib": round(jvm_peak_rss_mib(spark), 1),
+        "python_worker_peak_rss_mib": round(workers.peak_mib, 1),
+        "python_workers": len(workers.peaks_kib),
+        "python_worker_address_limit": sorted(set(workers.limits.values())),
+        "driver_python_peak_rss_mib": round(python_peak_rss_mib(), 1),
+        "conf": {k: spark.conf.get(k) for k in ONE_TOPIC_CONF},
+        "load_average_at_end": load_average(),
+    }
+    print("ONE_TOPIC_RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+def one_topic(entries: int, workdir: Path) -> dict:
+    """`BENCH_BUFFER_ONE_TOPIC=1` (module doc): each step in a process of its own, a JVM sized for it."""
+    print(f"== transaction buffer, one topic of {entries:,} entries under 2 GiB: JVM and Python worker, workdir {workdir}")
+
+    def step(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.buffer_bench", *args, "--workdir", str(workdir)],
+                              stdout=subprocess.PIPE, text=True)
+        print(done.stdout, end="", flush=True)
+        if done.returncode:
+            raise SystemExit(f"buffer_bench {args[0]} failed (exit {done.returncode})")
+        return done.stdout
+
+    step("one-topic-prepare", "--entries", str(entries))
+    out = step("one-topic-full-run")
+    return json.loads(next(line for line in out.splitlines() if line.startswith("ONE_TOPIC_RESULT "))[len("ONE_TOPIC_RESULT "):])
+
+
 def run_benchmark(workdir: Path) -> dict:
+    if os.environ.get("BENCH_BUFFER_ONE_TOPIC", "").strip() not in ("", "0"):
+        return one_topic(int(os.environ.get("BENCH_ENTRIES", "10000000")), workdir)
     return run(int(os.environ.get("BENCH_ENTRIES", "10000000")), workdir,
                new_entries=int(os.environ.get("BENCH_NEW_LEDGER_ENTRIES", "50000")))
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("step", nargs="?", choices=["one-topic-prepare", "one-topic-full-run"],
+                        help="a step of BENCH_BUFFER_ONE_TOPIC, in the --workdir given")
     parser.add_argument("--entries", type=int, default=10_000_000)
+    parser.add_argument("--workdir", type=Path)
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args(argv)
+    if args.step == "one-topic-prepare":
+        return one_topic_prepare(args.entries, args.workdir)
+    if args.step == "one-topic-full-run":
+        one_topic_full_run(args.workdir)
+        return
     workdir = Path(tempfile.mkdtemp(prefix="txnlake-bench-", dir=os.environ.get("TXNLAKE_BENCH_DIR")))
     try:
         run(args.entries, workdir)

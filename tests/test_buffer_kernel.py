@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.buffer_histories import (
     BIG,
@@ -28,7 +29,7 @@ from tests.buffer_histories import (
     rows_by_topic,
 )
 from txn_engine.buffer import kernel
-from txn_engine.buffer.spark_runner import compute_buffer_tables
+from txn_engine.buffer.spark_runner import BufferTables, decide_full, ledger_chunks
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.log_types import LogEntry
@@ -272,9 +273,47 @@ def test_visible_segments_split_at_gaps_and_keep_foreign_targets():
     assert segments["codes"].to_pylist()[2][1:3] == [-1, -1]  # entry ids with no visible row
 
 
+def unordered(table: pa.Table, columns: list[str] | None = None) -> list[tuple]:
+    return sorted((tuple(r.values()) for r in table.select(columns or table.column_names).to_pylist()), key=repr)
+
+
+@settings(max_examples=100, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                   HealthCheck.data_too_large])
+@given(history(), st.integers(1, 6), st.integers(1, 4))
+def test_topics_folded_in_chunks_of_ledgers_equal_one_scope(entries, chunk_entries, batch_rows):
+    """`ledger_chunks` cuts sorted batches into whole ledgers of one topic, and `fold_scopes` over
+    them decides what one scope over the topic does; `in_stable_prefix` is stamped per chunk, so
+    it may only be late (the runner stamps it against the last stable position)."""
+    table = arrow_entries(entries).select(list(kernel.NARROW_COLUMNS))
+    ordered = table.sort_by([("topic", "ascending"), ("ledger_id", "ascending"), ("entry_id", "ascending")])
+    chunks = list(ledger_chunks(ordered.to_batches(max_chunksize=batch_rows), chunk_entries))
+    assert pa.concat_tables(chunks).equals(ordered) if chunks else not entries
+    ledgers = [(c["topic"][0].as_py(), ledger) for c in chunks for ledger in pc.unique(c["ledger_id"]).to_pylist()]
+    assert len(ledgers) == len(set(ledgers)), "a ledger split over chunks"
+    for topic in sorted(set(table["topic"].to_pylist())):
+        mine = [c for c in chunks if c["topic"][0].as_py() == topic]
+        assert all(pc.all(pc.equal(c["topic"], topic)).as_py() for c in mine)
+        whole = kernel.full_scope_tables(pa.concat_tables(mine))
+        folded = list(kernel.fold_scopes(mine))
+        for name in kernel.NARROW_TABLES:
+            found = folded[-1].tables[name] if name == STABLE_POSITIONS else pa.concat_tables([f.tables[name] for f in folded])
+            assert unordered(found) == unordered(whole.tables[name]), f"{name}: {brief(entries)}"
+        assert {v: sum(f.violations[v] for f in folded) for v in kernel.VIOLATIONS} == whole.violations
+        decided = ["ledger_id", "entry_id", "visible_ledger_id", "visible_entry_id", "local_seq"]
+        visible = pa.concat_tables([f.tables[kernel.VISIBLE] for f in folded])
+        assert unordered(visible, decided) == unordered(whole.tables[kernel.VISIBLE], decided), brief(entries)
+        late = set(unordered(visible.filter(visible["in_stable_prefix"]), decided[:2]))
+        assert late <= set(unordered(whole.tables[kernel.VISIBLE].filter(whole.tables[kernel.VISIBLE]["in_stable_prefix"]),
+                                     decided[:2]))
+        pending = pa.concat_tables([f.tables[kernel.PENDING] for f in folded])
+        assert unordered(pending, decided[:2]) == unordered(whole.tables[kernel.PENDING], decided[:2])
+
+
 def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
-    """The Spark runner: a group per topic, the decisions joined with the full rows, the totals summed."""
-    tables = compute_buffer_tables(frame(spark, reversed(scenario_entries)))
+    """The Spark runner: topics spread over partitions, each folded a ledger at a time (the
+    smallest chunks), the decisions joined with the full rows, the totals summed."""
+    entries = frame(spark, reversed(scenario_entries))
+    tables = BufferTables(decide_full(entries, chunk_entries=1), entries)
     try:
         expected = expected_tables(scenario_entries)
         for name, found in ((TXN_MARKERS, tables.txn_markers), (ABORTED_TXNS, tables.aborted_txns),

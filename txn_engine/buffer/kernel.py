@@ -14,7 +14,7 @@ from the state), carried through the steps, so the caller can pick full rows by 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import pyarrow as pa
@@ -380,7 +380,8 @@ _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id",
 # `VISIBLE` as segments of a ledger's entry ids, for a join by (topic, ledger) and a lookup by entry
 # id (the Spark runner's committed rows): a row's code is -1 when it is not visible, else
 # local_seq << 32 | target << 2 | in_stable_prefix << 1 | at_own_position, where `target`
-# indexes the segment's `targets` (the visible positions that are not the rows' own).
+# indexes the segment's `targets` (the visible positions that are not the rows' own). The Spark
+# runner reads `in_stable_prefix` from the run's last stable position instead (`fold_scopes`).
 SEGMENT_GAP = 1024  # entry ids further apart than this start a new segment
 CODE_SEQ_SHIFT, CODE_TARGET_SHIFT = 32, 2
 CODE_TARGET_MASK = (1 << 30) - 1
@@ -664,6 +665,38 @@ def full_scope_tables(narrow: pa.Table) -> ScopeTables:
     last = narrow.group_by(["topic", "ledger_id"], use_threads=False).aggregate([("entry_id", "max")])
     ledgers = list(zip(last["topic"].to_pylist(), last["ledger_id"].to_pylist(), last["entry_id_max"].to_pylist()))
     return scope_tables(narrow, {ledger for _, ledger, _ in ledgers}, no_state, {}, ledgers)
+
+
+def fold_scopes(chunks: Iterable[pa.Table]) -> Iterator[ScopeTables]:
+    """`scope_tables` over one topic's entries given as consecutive chunks of whole ledgers (in
+    ledger order), each chunk a scope run on the state the earlier ones left, as incremental runs
+    over appended ledgers are: memory follows one chunk and the state, not the topic.
+
+    Together the results hold what `full_scope_tables` gives for the whole topic, but for two
+    facts that only the last chunk knows: the stable position (the last result's) and so
+    `in_stable_prefix` of `VISIBLE` rows, stamped against each chunk's own stable position (which
+    only moves forward as ledgers are appended); the caller stamps them against the last one.
+    A `PENDING` or `VISIBLE` `_row` counts within its own chunk, then its `pending_read`.
+    """
+    state: dict[str, pa.Table] = {name: arrow_schema(TABLE_SCHEMAS[name]).empty_table()
+                                  for name in (BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)}
+    state[BUFFER_PENDING_ENTRIES] = arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table().select(list(NARROW_COLUMNS))
+    ledgers: list[tuple[str, int, int]] = []
+    old_stable: dict[str, int] = {}
+    for chunk in chunks:
+        narrow = chunk.select(list(NARROW_COLUMNS))
+        last = narrow.group_by(["topic", "ledger_id"], use_threads=False).aggregate([("entry_id", "max")])
+        here = list(zip(last["topic"].to_pylist(), last["ledger_id"].to_pylist(), last["entry_id_max"].to_pylist()))
+        ledgers.extend(here)
+        decided = scope_tables(narrow, {ledger for _, ledger, _ in here}, lambda table, rows: state[table].filter(rows),
+                               old_stable, ledgers)
+        pending = narrow.take(decided.tables[PENDING]["_row"])
+        for name, rows in ((BUFFER_SEQUENCE_RANGES, decided.tables[BUFFER_SEQUENCE_RANGES]),
+                           (BUFFER_LEDGER_TXNS, decided.tables[BUFFER_LEDGER_TXNS]), (BUFFER_PENDING_ENTRIES, pending)):
+            state[name] = pa.concat_tables([state[name], rows.cast(state[name].schema)])
+        stable = decided.tables[STABLE_POSITIONS]
+        old_stable = dict(zip(stable["topic"].to_pylist(), stable["max_read_ledger_id"].to_pylist()))
+        yield decided
 
 
 def wide_tables(decided: ScopeTables, entries: pa.Table) -> dict[str, pa.Table]:

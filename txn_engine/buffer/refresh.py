@@ -410,9 +410,8 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         reads = spark_runner.state_reads(kept_state, entries, stable_at)
         pending_rows = reads[BUFFER_PENDING_ENTRIES]
         listed = plan.last_entries + plan.retained
-        topics = local_frame(wh.spark, [(t,) for t in sorted({t for t, _, _ in listed})], "topic string")
-        decided = spark_runner.decide_scope(entries, reads, topics, plan.ledgers, stable_at, listed, plan.shadowed,
-                                            [(t, ledger) for t, ledger, _ in plan.retained])
+        decided = spark_runner.decide_scope(entries, reads, {t for t, _, _ in listed}, plan.ledgers, stable_at, listed,
+                                            plan.shadowed, [(t, ledger) for t, ledger, _ in plan.retained])
     try:
         # The narrow decisions in one collect when they fit: delta-rs commits them without Spark's per-write jobs.
         small = spark_runner.collect_narrow(decided, driver_write_max_bytes)

@@ -1,10 +1,13 @@
-"""The transaction-buffer kernel on Spark: a group per topic, fed narrow columns, wide rows joined after.
+"""The transaction-buffer kernel on Spark: topics spread over partitions, fed narrow columns, wide rows joined after.
 
 Every fact of the buffer is a topic's own (as a broker keeps a transaction buffer per topic), so
-Spark only distributes topics: the narrow columns of the scope's entries are grouped by topic
-(with the state rows a topic's run reads, cogrouped), and each group runs `kernel.scope_tables`
-in a Python worker. No payload reaches Python: the kernel returns its narrow tables and its
-decisions on rows (`VISIBLE`, `PENDING`), and Spark joins those with the full rows and writes.
+Spark only distributes topics. A full run hash-partitions the narrow columns by topic, sorts each
+partition by position and streams it through `kernel.fold_scopes` (`mapInArrow`): a topic is
+folded a chunk of ledgers at a time, so a Python worker holds one chunk and the topic's state,
+never the whole topic. An incremental run cogroups each topic's scope with the state rows it
+reads and runs `kernel.scope_tables` on the group. No payload reaches Python: the kernel returns
+its narrow tables and its decisions on rows (`VISIBLE`, `PENDING`), and Spark joins those with
+the full rows and writes.
 
 All outputs of a group come back as one frame: a `kind` column naming the table, and one struct
 column per table (null in the rows of the others), split again by `kind`.
@@ -12,9 +15,10 @@ column per table (null in the rows of the others), split again by `kind`.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -102,9 +106,9 @@ def _as_union(parts: Mapping[str, pa.Table], schema: StructType, topic: str) -> 
         columns = []
         for field in target:
             if field.name == "topic":
-                columns.append(pa.array([topic] * n, pa.string()))
+                columns.append(pa.repeat(pa.scalar(topic, pa.string()), n))
             elif field.name == "kind":
-                columns.append(pa.array([name] * n, pa.string()))
+                columns.append(pa.repeat(pa.scalar(name, pa.string()), n))
             elif field.name == name:
                 columns.append(pa.StructArray.from_arrays(
                     [rows[f.name].combine_chunks().cast(f.type) for f in field.type], fields=list(field.type)))
@@ -121,8 +125,10 @@ def _of_kind(union: pa.Table, name: str) -> pa.Table:
                                  schema=pa.schema(list(rows.type))) if rows.num_chunks else pa.schema(list(rows.type)).empty_table()
 
 
-def _decisions(decided: ScopeTables, topic: str) -> pa.Table:
-    parts = {name: table for name, table in decided.tables.items()}
+def _decisions(decided: ScopeTables, topic: str, stable: bool = True) -> pa.Table:
+    """The union rows of a scope's decisions; `stable`: with its stable position (a chunk that is
+    not its topic's last has none to give: `kernel.fold_scopes`)."""
+    parts = {name: table for name, table in decided.tables.items() if stable or name != STABLE_POSITIONS}
     parts[VISIBLE] = kernel.visible_segments(parts[VISIBLE])
     parts[PENDING] = parts[PENDING].drop_columns(["_row"])
     parts["violations"] = pa.Table.from_pylist([{v: int(decided.violations.get(v, 0)) for v in VIOLATIONS}])
@@ -152,8 +158,65 @@ class _ScopeRun:
         return _decisions(decided, topic)
 
 
-def _full_run(key: tuple[pa.Scalar, ...], narrow: pa.Table) -> pa.Table:
-    return _decisions(kernel.full_scope_tables(narrow.select(list(NARROW_COLUMNS))), key[0].as_py())
+# Rows a Python worker folds at once (whole ledgers: a chunk ends at the first ledger past it):
+# enough that each chunk's fixed costs vanish, few enough that a worker stays well within 2 GiB.
+FOLD_CHUNK_ENTRIES = 1_000_000
+
+
+def _topic_runs(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """The runs of one topic of a batch sorted by topic."""
+    topics = batch.column("topic")
+    n = batch.num_rows
+    if n == 0:
+        return
+    changes = pc.indices_nonzero(pc.not_equal(topics.slice(1), topics.slice(0, n - 1))).to_numpy() + 1
+    bounds = [0, *changes.tolist(), n]
+    for start, end in zip(bounds, bounds[1:]):
+        yield batch.slice(start, end - start)
+
+
+def ledger_chunks(batches: Iterable[pa.RecordBatch], entries: int) -> Iterator[pa.Table]:
+    """Batches sorted by (topic, ledger_id, entry_id) as tables of whole ledgers of one topic: each
+    of at least `entries` rows (but a topic's last), ending at a ledger's end; each in one piece
+    (the kernel's steps over a table of many small batches cost several times more)."""
+    held: list[pa.RecordBatch] = []
+    count = 0
+    for batch in batches:
+        for run in _topic_runs(batch):
+            if held and held[0].column("topic")[0] != run.column("topic")[0]:
+                yield pa.Table.from_batches(held).combine_chunks()
+                held, count = [], 0
+            held.append(run)
+            count += run.num_rows
+            if count < entries:
+                continue
+            table = pa.Table.from_batches(held)
+            ledger = table["ledger_id"]
+            cut = pc.index(ledger, ledger[-1]).as_py()  # the last ledger may go on in the next batch
+            if cut > 0:
+                yield table.slice(0, cut).combine_chunks()
+                held, count = table.slice(cut).to_batches(), table.num_rows - cut
+    if held:
+        yield pa.Table.from_batches(held).combine_chunks()
+
+
+@dataclass(frozen=True)
+class _FullRun:
+    """A partition's topics, each folded by the kernel in chunks of `chunk_entries` (`decide_full`), as union rows."""
+
+    chunk_entries: int
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return _fold_partition(batches, self.chunk_entries)
+
+
+def _fold_partition(batches: Iterator[pa.RecordBatch], chunk_entries: int) -> Iterator[pa.RecordBatch]:
+    chunks = ledger_chunks(batches, chunk_entries)
+    for topic, topic_chunks in itertools.groupby(chunks, key=lambda chunk: chunk["topic"][0].as_py()):
+        decided = None
+        for decided in kernel.fold_scopes(topic_chunks):
+            yield from _decisions(decided, topic, stable=False).to_batches()
+        yield from _as_union({STABLE_POSITIONS: decided.tables[STABLE_POSITIONS]}, OUTPUT_SCHEMA, topic).to_batches()
 
 
 @dataclass
@@ -177,37 +240,45 @@ class SparkDecisions:
         self.frame.unpersist()
 
 
-def spread_topics(narrow: DataFrame, topics: Iterable[str]) -> DataFrame:
-    """`narrow` hash-partitioned by topic into the fewest partitions (from one per topic up) in
-    which no two of `topics` share one, so the kernel's groups run on as many cores as there are
-    topics: by the shuffle's default partitions, topics land in one task together (and adaptive
-    execution coalesces small ones). Past `SPREAD_MAX_PARTITIONS` a partitioning with the fewest
-    topics in one partition is taken. Spark computes the topics' hashes (a local projection)."""
+def topic_partitions(spark, topics: Iterable[str]) -> int:
+    """The fewest partitions (from one per topic up) in which, hash-partitioned by topic, no two of
+    `topics` share one, so the kernel's topics run on as many cores as there are topics: by the
+    shuffle's default partitions, topics land in one task together (and adaptive execution
+    coalesces small ones). Past `SPREAD_MAX_PARTITIONS` a partitioning with the fewest topics in
+    one partition is taken. Spark computes the topics' hashes (a local projection)."""
     names = sorted(set(topics))
     if len(names) < 2:
-        return narrow
-    spark = narrow.sparkSession
+        return 1
     hashes = [r[0] for r in local_frame(spark, [(t,) for t in names], "topic string").select(F.hash("topic")).collect()]
 
     def most_in_one(n: int) -> int:  # Spark's partition: pmod(hash, n), as Python's % for n > 0
         return max(Counter(h % n for h in hashes).values())
 
     candidates = range(len(names), max(len(names), SPREAD_MAX_PARTITIONS) + 1)
-    n = next((n for n in candidates if most_in_one(n) == 1), None) or min(candidates, key=lambda n: (most_in_one(n), n))
-    return narrow.repartition(n, "topic")
+    return next((n for n in candidates if most_in_one(n) == 1), None) or min(candidates, key=lambda n: (most_in_one(n), n))
+
+
+def spread_topics(narrow: DataFrame, topics: Iterable[str] | None) -> DataFrame:
+    """`narrow` hash-partitioned by topic: into `topic_partitions` of `topics` (the log's, from
+    the catalog), or None: the shuffle's default partitions."""
+    if topics is None:
+        return narrow.repartition("topic")
+    return narrow.repartition(topic_partitions(narrow.sparkSession, topics), "topic")
 
 
 SPREAD_MAX_PARTITIONS = 64  # most of them empty: an empty task costs milliseconds
 
 
-def decide_full(entries: DataFrame, persist: bool = True, topics: Iterable[str] | None = None) -> SparkDecisions:
+def decide_full(entries: DataFrame, persist: bool = True, topics: Iterable[str] | None = None,
+                chunk_entries: int = FOLD_CHUNK_ENTRIES) -> SparkDecisions:
     """The kernel over every topic of `entries` (ledger_entries rows), with no state; `persist`:
     computed once for all the tables read (else each read of a table runs it again); `topics`: the
-    log's (from the catalog), to give each a partition of its own (`spread_topics`)."""
-    narrow = entries.select(*NARROW_COLUMNS)
-    if topics is not None:
-        narrow = spread_topics(narrow, topics)
-    decided = narrow.groupBy("topic").applyInArrow(_full_run, OUTPUT_SCHEMA)
+    log's (from the catalog), to give each a partition of its own (`spread_topics`);
+    `chunk_entries`: the rows a worker folds at once (`ledger_chunks`)."""
+    narrow = spread_topics(entries.select(*NARROW_COLUMNS), topics)
+    # Each partition in position order, streamed to the kernel: a topic never has to fit a worker whole.
+    decided = narrow.sortWithinPartitions("topic", "ledger_id", "entry_id").mapInArrow(
+        _FullRun(chunk_entries), OUTPUT_SCHEMA)
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK) if persist else decided)
 
 
@@ -249,14 +320,15 @@ def compute_buffer_tables(entries: DataFrame) -> BufferTables:
     return BufferTables(decide_full(entries), entries)
 
 
-def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: DataFrame, scope: Iterable[int],
+def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Iterable[str], scope: Iterable[int],
                  old_stable: Mapping[str, int], ledgers: Iterable[tuple[str, int, int]], spared: Iterable[tuple[str, int]],
                  retained: Iterable[tuple[str, int]]) -> SparkDecisions:
     """The kernel over the scope's entries, each topic cogrouped with the state rows it may read.
 
     `state`: per state table (`STATE_SCHEMAS`), the kept rows a topic's run may ask for (a superset:
-    the kernel filters them exactly); `topics`: a `topic` column of every topic to decide (the
-    catalog's), so each gets its stable position even without entries in the scope.
+    the kernel filters them exactly); `topics`: every topic to decide (the catalog's), so each gets
+    its stable position even without entries in the scope, and a partition of its own
+    (`topic_partitions`, both sides partitioned alike: the cogroup shuffles nothing more).
     """
     by_topic: dict[str, list[tuple[str, int, int]]] = {}
     for topic, ledger, last in ledgers:
@@ -264,11 +336,15 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
     run = _ScopeRun(frozenset(int(i) for i in scope), dict(old_stable), by_topic, tuple(spared), tuple(retained))
 
     rows = [_union_rows(state[name], name, STATE_SCHEMAS) for name in STATE_SCHEMAS]
-    rows.append(_union_rows(topics.select("topic").distinct(), _TOPIC_ONLY, STATE_SCHEMAS))
+    names = sorted(set(topics))
+    spark = entries.sparkSession
+    rows.append(_union_rows(local_frame(spark, [(t,) for t in names], "topic string"), _TOPIC_ONLY, STATE_SCHEMAS))
     state_rows = rows[0]
     for frame in rows[1:]:
         state_rows = state_rows.unionByName(frame)
-    narrow = entries.select(*NARROW_COLUMNS)
+    partitions = topic_partitions(spark, names)
+    state_rows = state_rows.repartition(partitions, "topic")
+    narrow = entries.select(*NARROW_COLUMNS).repartition(partitions, "topic")
 
     def decide(key: tuple[pa.Scalar, ...], narrow: pa.Table, state: pa.Table) -> pa.Table:
         return run(key, narrow, state)  # a plain function: PySpark counts its parameters
@@ -280,7 +356,10 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Dat
 def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
     """`committed_entries`: the full `rows` the kernel decided visible, with its decisions, looked
     up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id; the segments
-    broadcast while they fit `broadcast_max_bytes`, else joined by shuffle."""
+    broadcast while they fit `broadcast_max_bytes`, else joined by shuffle. `in_stable_prefix`
+    against the run's final stable positions: a topic folded in chunks (`kernel.fold_scopes`)
+    stamped its early rows against an earlier one, as `refresh._move_stable_prefix` restamps
+    the rows a run does not rewrite."""
     segments = decided.table(VISIBLE)
     # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
     size = segments.agg(F.sum(F.size("codes") * 8 + F.size("targets") * 16 + NARROW_ROW_BYTES)).first()[0] or 0
@@ -290,6 +369,9 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
     code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
     joined = joined.withColumn("_code", code).where(F.col("_code") >= 0)
     code = F.col("_code")
+    stable = decided.table(STABLE_POSITIONS).select("topic", F.col("max_read_ledger_id").alias("_sl"),
+                                                    F.col("max_read_entry_id").alias("_se"))
+    joined = joined.join(F.broadcast(stable), "topic")  # a row per topic
     own = code.bitwiseAND(1) == 1
     target = F.get(F.col("targets"), F.shiftright(code, kernel.CODE_TARGET_SHIFT).bitwiseAND(kernel.CODE_TARGET_MASK).cast("int"))
     decided_rows = joined.select(
@@ -297,7 +379,8 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
         F.when(own, F.col("ledger_id")).otherwise(target["ledger_id"]).alias("visible_ledger_id"),
         F.when(own, F.col("entry_id")).otherwise(target["entry_id"]).alias("visible_entry_id"),
         F.shiftright(code, kernel.CODE_SEQ_SHIFT).alias("local_seq"),
-        (code.bitwiseAND(2) == 2).alias("in_stable_prefix"),
+        ((F.col("ledger_id") < F.col("_sl")) | ((F.col("ledger_id") == F.col("_sl")) & (F.col("entry_id") <= F.col("_se"))))
+        .alias("in_stable_prefix"),
     )
     return conform(decided_rows, COMMITTED_ENTRIES_SCHEMA)
 
