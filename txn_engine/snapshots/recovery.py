@@ -27,13 +27,11 @@ from pyspark.sql import functions as F
 from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter, position_lt
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, scan, version_key
-from txn_engine.log.ledgers import stale_catalog
+from txn_engine.log.ledgers import deleted_by_topic, recorded_states_table, stale_catalog
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
-    LEDGER_STATES_LOG,
-    LEDGER_STATES_SCHEMA,
     LEDGERS,
     LEDGERS_SCHEMA,
     RECOVERED_BUFFER_STATE,
@@ -84,20 +82,6 @@ def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[in
     if deleted and len(kept):
         kept = kept.filter(pc.invert(pc.is_in(kept.field("ledger_id"), pa.array(sorted(deleted), pa.int64()))))
     return kept
-
-
-def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
-    """Per topic, the ledgers whose latest recorded state (`ledger_states`) is DELETED."""
-    latest: dict[tuple[str, int], tuple] = {}
-    for r in states.select(["topic", "ledger_id", "state", "recorded_at"]).to_pylist():
-        key = (r["topic"], r["ledger_id"])
-        if key not in latest or (r["recorded_at"] is not None and (latest[key][0] is None or r["recorded_at"] > latest[key][0])):
-            latest[key] = (r["recorded_at"], r["state"])
-    deleted: dict[str, set[int]] = {}
-    for (topic, ledger), (_, state) in latest.items():
-        if state == "DELETED":
-            deleted.setdefault(topic, set()).add(ledger)
-    return deleted
 
 
 # -- reading, planning and writing --------------------------------------------------------------
@@ -209,7 +193,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
     tables = DeltaTables(warehouse)
     with _step(seconds, "index"):
         index, aborts = snapshot_index(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA))
-        deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
+        deleted = deleted_by_topic(recorded_states_table(warehouse))
     usable = {t: s for t, s in index.items() if s.fallback_reason is None}
     log = warehouse.delta_rs_table(warehouse.path(LEDGER_ENTRIES))
     # The log's version this recovery starts from, in its commit: the check tells a recovery the
