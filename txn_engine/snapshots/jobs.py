@@ -22,10 +22,12 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterator, Sequence
 
+import pyarrow as pa
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.functions import arrow_udf
-from pyspark.sql.types import IntegerType, StringType
+from pyspark.sql import types as T
+from pyspark.sql.types import BooleanType, IntegerType, StringType
 
 from txn_engine.buffer.kernel import NARROW_COLUMNS, require_ledger_entries
 from txn_engine.log.spark_columns import conform, has_txn, is_marker, position_lt
@@ -46,7 +48,8 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
 from txn_engine.snapshots.index import (ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, RULE_COLUMNS, bad_row_reasons_of,
-                                        live_snapshot_index, part_numbers)
+                                        end_keys, live_snapshot_index, part_numbers)
+from txn_engine.snapshots.index import live_ends as live_ends_of
 from txn_engine.snapshots.replay import anchor_position, full_replay_rows, replayed_rows
 from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
@@ -67,8 +70,12 @@ _part_number = arrow_udf(part_numbers, IntegerType())
 _bad_row_reason = arrow_udf(bad_row_reasons_of, StringType())
 
 
+_end_key = arrow_udf(end_keys, BooleanType())
+
+
 def is_end_key() -> Column:
-    return F.col("snapshot_key") == F.concat(F.col("topic"), F.lit(f"-{END_SUFFIX}"))
+    """Whether the row's key is its topic's `topic-end` (`index.end_keys`)."""
+    return _end_key(F.col("topic"), F.col("snapshot_key"))
 
 
 def part_number() -> Column:
@@ -308,16 +315,20 @@ def latest_per_key(segments: DataFrame) -> DataFrame:
     return segments.withColumn("_r", F.row_number().over(newest)).where("_r = 1").drop("_r")
 
 
-def live_ends(segments: DataFrame) -> DataFrame:
-    """Per topic, the latest `topic-end` when it is not a tombstone: the snapshot index."""
-    return latest_per_key(segments.where(is_end_key())).where(~F.coalesce("tombstone", F.lit(False)))
+def live_ends(segments: DataFrame, columns: Sequence[str]) -> DataFrame:
+    """`index.live_ends` of `segments` (the rows it applies to): per topic, `columns` of its live
+    `topic-end`. Collects the end rows' narrow columns (a row per `topic-end` row, no aborts)."""
+    needed = list(dict.fromkeys(["topic", "snapshot_key", "write_seq", "tombstone", *columns]))
+    ends = segments.where(is_end_key()).select(*needed).toArrow()
+    picked = ends.take(pa.array(sorted(live_ends_of(ends).values()), pa.int64()))
+    return local_frame(segments.sparkSession, picked, T.StructType([segments.schema[c] for c in ["topic", *columns]]))
 
 
 def compacted_segments(segments: DataFrame) -> DataFrame:
     """What compaction keeps: the latest row of each key unless it is a tombstone, and the newest
     row of each key of every live snapshot (the one its topic's latest `topic-end` names), which a
     newer, unfinished snapshot may have overwritten."""
-    live = live_ends(segments).select("topic", F.col("snapshot_id").alias("_live_id"))
+    live = live_ends(segments, ["snapshot_id"]).select("topic", F.col("snapshot_id").alias("_live_id"))
     not_tombstone = ~F.coalesce(F.col("tombstone"), F.lit(False))
     newest = Window.partitionBy("snapshot_key").orderBy(F.col("write_seq").desc())
     newest_of_snapshot = Window.partitionBy("snapshot_key", "snapshot_id", "_tomb").orderBy(F.col("write_seq").desc())
@@ -573,7 +584,7 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
     now = now or datetime.now(timezone.utc)
     checked = checked_segments(segments)
     index = _live_snapshots(checked)
-    ends = live_ends(checked.where(F.col(BAD_REASON).isNull())).select(
+    ends = live_ends(checked.where(F.col(BAD_REASON).isNull()), ["write_seq", "written_at"]).select(
         "topic", F.col("write_seq").alias("_end_seq"), F.col("written_at").alias("last_snapshot_at"))
     newer_parts = (
         checked.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
