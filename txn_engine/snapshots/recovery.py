@@ -24,7 +24,7 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter, position_lt
+from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, scan, version_key
 from txn_engine.log.ledgers import deleted_by_topic, recorded_states_table, stale_catalog
@@ -42,7 +42,7 @@ from txn_engine.core.schema import (
 from txn_engine.snapshots.jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshots.index import ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, IndexedSnapshot, bad_row_reasons, live_snapshot_index
 from txn_engine.snapshots.format import Source
-from txn_engine.snapshots.replay import ABORTS_TYPE, anchor_position, replay_topic
+from txn_engine.snapshots.replay import ABORTS_TYPE, SNAPSHOT_ENTRY, SNAPSHOT_LEDGER, after_snapshot, anchor_position, replay_topic
 from txn_engine.storage.warehouse import Warehouse
 
 RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
@@ -139,11 +139,9 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     topics = sorted(usable)
     rows = scan(dataset, ds.field("ledger_id") >= lowest, columns, on_rows=ds.field("topic").isin(topics))
     at = pc.index_in(rows.column("topic"), pa.array(topics))
-    sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
-    se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
-    lid, eid = rows.column("ledger_id"), rows.column("entry_id")
-    after = position_lt(sl, se, lid, eid)
-    rows = rows.filter(after)
+    rows = rows.append_column(SNAPSHOT_LEDGER, pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at))
+    rows = rows.append_column(SNAPSHOT_ENTRY, pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at))
+    rows = rows.filter(after_snapshot(pc.field)).drop_columns([SNAPSHOT_LEDGER, SNAPSHOT_ENTRY])
     if rows.num_rows > limits.max_replayed_entries:
         return None
     return rows.take(pc.sort_indices(rows, sort_keys=[("topic", "ascending"), ("ledger_id", "ascending"),
