@@ -58,6 +58,7 @@ def catalog_of_ledgers(
     Spark only attaches the other columns to the rows it decided."""
     spark = per_ledger.sparkSession
     keys = ["topic", "ledger_id"]
+    per_ledger = per_ledger.localCheckpoint()  # a row per ledger, read twice: the log is scanned once
     states = catalog_states(
         per_ledger.select(*keys).toArrow(),
         None if known_states is None else known_states.select(*keys, "state").toArrow(),
