@@ -8,6 +8,7 @@ as a broker does, so a run with nothing due only refreshes the state and the rec
 
 
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -33,6 +34,7 @@ from dagster import (
     schedule,
     sensor,
 )
+import pyarrow.compute as pc
 from pydantic import Field
 from pyspark.sql import functions as F
 
@@ -61,6 +63,7 @@ from txn_engine.snapshots.jobs import (
     write_snapshots,
 )
 from txn_engine.snapshots.recovery import recover_to_warehouse, stale_recovery
+from txn_engine.snapshots.triggers import due_inputs, due_reasons
 from txn_engine.snapshots.format import DEFAULT_MAX_ABORTS_PER_SEGMENT, DEFAULT_MAX_SEGMENT_BYTES, SnapshotConfig
 from txn_engine.storage.warehouse import Warehouse
 
@@ -198,14 +201,9 @@ def snapshots_pending(wh: Warehouse, triggers: TriggerConfig = TriggerConfig(), 
     if missing:
         return [f"table {', '.join(missing)} does not exist yet"]
     states = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA,
-                         ["topic", "state", "due", "changes_since_snapshot", "last_snapshot_at"]).to_pylist()
-
-    def due_now(r) -> bool:  # snapshot_states' triggers, at `now`
-        changes, last = r["changes_since_snapshot"] or 0, r["last_snapshot_at"]
-        return (r["due"] or r["state"] != "READY" or changes >= triggers.max_changes
-                or (changes > 0 and (last is None or now - last.timestamp() >= triggers.interval_seconds)))
-
-    due = sorted(r["topic"] for r in states if due_now(r))
+                         ["topic", "state", "due", "snapshot_id", "changes_since_snapshot", "last_snapshot_at"])
+    due = sorted(pc.filter(states["topic"], pc.is_valid(due_reasons(due_inputs(states), triggers,
+                                                                   datetime.fromtimestamp(now, timezone.utc)))).to_pylist())
     reasons = [f"{len(due)} topic(s) due for a snapshot: {', '.join(due[:5])}"] if due else []
     # The segments are written (and compacted) by the run itself, before its recovery.
     since = {source: int(written[TXN_SNAPSHOT_STATE]["timestamp"]) for source in

@@ -151,3 +151,45 @@ def test_ledger_ranges_from_statistics_equal_a_full_scan(warehouse, spark, layou
         assert stated.num_rows == 0 and unstated.count_rows() == sum(map(len, files))
     assert ledger_ranges(warehouse).to_pylist()[0] == {"topic": "a", "ledger_id": 1, "first_entry_id": 0,
                                                       "last_entry_id": 7, "entry_count": 8}
+
+
+def test_latest_recorded_state_a_null_time_loses_to_any_timed_one():
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from txn_engine.log.ledgers import deleted_by_topic, latest_recorded_states
+
+    t = lambda s: dt.datetime(2026, 1, 1, 0, 0, s, tzinfo=dt.timezone.utc)  # noqa: E731
+    log = pa.table({
+        "topic": ["a", "a", "a", "a", "b", "b", "c", "c"],
+        "ledger_id": [1, 1, 2, 2, 1, 1, 1, 1],
+        "state": ["DELETED", "CLOSED", "CLOSED", "OFFLOADED", "CLOSED", "DELETED", "CLOSED", "DELETED"],
+        # a/1: the untimed DELETED comes first in the log and still loses; a/2: a tie keeps log order;
+        # b/1: the untimed row comes last and loses too; c/1: untimed only, the later row of the log.
+        "recorded_at": [None, t(1), t(5), t(5), t(2), None, None, None],
+    }, schema=pa.schema([("topic", pa.string()), ("ledger_id", pa.int64()), ("state", pa.string()),
+                         ("recorded_at", pa.timestamp("us", "UTC"))]))
+    latest = latest_recorded_states(log)
+    assert {(r["topic"], r["ledger_id"]): r["state"] for r in latest.to_pylist()} == {
+        ("a", 1): "CLOSED", ("a", 2): "OFFLOADED", ("b", 1): "CLOSED", ("c", 1): "DELETED"}
+    assert deleted_by_topic(latest) == {"c": {1}}
+    assert latest_recorded_states(log.slice(0, 0)).num_rows == 0
+
+
+def test_catalog_states_open_closed_deleted_then_recorded():
+    import pyarrow as pa
+
+    from txn_engine.log.ledgers import FROM_DELETED, catalog_states
+
+    ledgers = pa.table({"topic": ["a", "a", "a", "b"], "ledger_id": [1, 2, 3, 9], "last_entry_id": [4, 5, 6, 7]})
+    deleted = pa.table({"topic": ["a", "b"], "ledger_id": [0, 9], "last_entry_id": [3, 8]})
+    recorded = pa.table({"topic": ["a", "a", "z"], "ledger_id": [1, 3, 1], "state": ["OFFLOADED", "CLOSED", "CLOSED"]})
+    rows = catalog_states(ledgers, recorded, deleted).to_pylist()
+    assert [(r["topic"], r["ledger_id"], r["last_entry_id"], r["state"], r[FROM_DELETED]) for r in rows] == [
+        ("a", 0, 3, "DELETED", True),  # deleted, no entries left
+        ("a", 1, 4, "OFFLOADED", False),  # recorded overrides the derived CLOSED
+        ("a", 2, 5, "CLOSED", False),
+        ("a", 3, 6, "CLOSED", False),  # the topic's last, recorded CLOSED by the engine's rollover
+        ("b", 9, 7, "OPEN", False),  # in deleted_ledgers but still has entries: its entries describe it
+    ]  # z/1: recorded only, no entries and not deleted: not a ledger of the catalog

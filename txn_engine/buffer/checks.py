@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
-from txn_engine.buffer.kernel import POSITIONS, PRODUCER_KEY, SEQUENCE_KEY, TXN_KEY, ledger_filter
+from txn_engine.buffer.kernel import POSITIONS, PRODUCER_KEY, SEQUENCE_KEY, TXN_KEY, has_sequence, ledger_filter, position_lt
 from txn_engine.buffer.refresh import ALL_LEDGERS, RUN_LEDGERS_KEY
 from txn_engine.storage.delta_io import DeltaTables, aggregate, scan
 from txn_engine.core.log_types import EntryType
@@ -121,7 +121,7 @@ def committed_once(wh: Warehouse) -> CommittedOnce:
                    on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
     # The keys that span ledgers: every row of the table that shares one with the run's rows.
     positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
-    sequenced = _null_epoch_as_value(rows.filter(pc.and_(pc.is_valid(rows["producer_id"]), pc.is_valid(rows["sequence_id"]))))
+    sequenced = _null_epoch_as_value(rows.filter(has_sequence(rows)))
     sequences = _null_epoch_as_value(committed.to_table(
         filter=ledger_filter(_ledgers_sharing_sequences(tables, sequenced)) & _isin("producer_id", sequenced["producer_id"])
         & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
@@ -193,9 +193,12 @@ def stable_moves_back(wh: Warehouse) -> StableMoves | None:
         return None
     tables = DeltaTables(wh)
     columns = ["topic", "max_read_ledger_id", "max_read_entry_id"]
-    now = tables.dataset(STABLE_POSITIONS).to_table(columns=columns).to_pylist()
-    before = {r["topic"]: (r["max_read_ledger_id"], r["max_read_entry_id"])
-              for r in tables.dataset(STABLE_POSITIONS, version - 1).to_table(columns=columns).to_pylist()}
-    moved = [(r["topic"], *before[r["topic"]], r["max_read_ledger_id"], r["max_read_entry_id"]) for r in now
-             if r["topic"] in before and (r["max_read_ledger_id"], r["max_read_entry_id"]) < before[r["topic"]]]
+    now = tables.dataset(STABLE_POSITIONS).to_table(columns=columns)
+    before = tables.dataset(STABLE_POSITIONS, version - 1).to_table(columns=columns).rename_columns(
+        ["topic", "_before_ledger_id", "_before_entry_id"])
+    both = now.join(before, "topic", join_type="inner")
+    back = both.filter(pc.fill_null(position_lt(both["max_read_ledger_id"], both["max_read_entry_id"],
+                                                both["_before_ledger_id"], both["_before_entry_id"]), False))
+    moved = zip(*(back[c].to_pylist() for c in ("topic", "_before_ledger_id", "_before_entry_id", "max_read_ledger_id",
+                                                "max_read_entry_id")))
     return StableMoves(compared_versions=f"{version - 1} -> {version}", moved_back=[str(m) for m in sorted(moved)])

@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 from deltalake import DeltaTable
 
-from pyspark.sql import DataFrame, Window
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from txn_engine.core.errors import TxnlakeError
@@ -24,6 +24,7 @@ from txn_engine.core.schema import (
     LEDGERS,
     LEDGERS_SCHEMA,
 )
+from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables, aggregate_batches, version_key
 from txn_engine.storage.warehouse import Warehouse
 
@@ -51,22 +52,78 @@ def catalog_of_ledgers(
     per_ledger: DataFrame, known_states: DataFrame | None = None, deleted: DataFrame | None = None
 ) -> DataFrame:
     """`derive_ledger_catalog` from the per-ledger rows already aggregated: (topic, ledger_id) and
-    any of the catalog's columns (the others are left out of the result). Pure."""
-    newest_first = Window.partitionBy("topic").orderBy(F.col("ledger_id").desc())
-    derived_state = F.when(F.row_number().over(newest_first) == 1, F.lit("OPEN")).otherwise(F.lit("CLOSED"))
-    catalog = per_ledger.withColumn("state", derived_state)
+    any of the catalog's columns (the others are left out of the result). Pure.
+
+    The states are `catalog_states`'s, over the three frames' keys collected (a row per ledger each);
+    Spark only attaches the other columns to the rows it decided."""
+    spark = per_ledger.sparkSession
+    keys = ["topic", "ledger_id"]
+    per_ledger = per_ledger.localCheckpoint()  # a row per ledger, read twice: the log is scanned once
+    states = catalog_states(
+        per_ledger.select(*keys).toArrow(),
+        None if known_states is None else known_states.select(*keys, "state").toArrow(),
+        None if deleted is None else deleted.select(*keys).toArrow(),
+    )
+    rows = per_ledger.withColumn(FROM_DELETED, F.lit(False))
     if deleted is not None:
-        # A deleted ledger with no entries left is DELETED whatever the log says; one that still
-        # has entries (retention stopped half-way) is described by its entries.
-        gone = deleted.select(*per_ledger.columns).join(per_ledger.select("topic", "ledger_id"), ["topic", "ledger_id"], "left_anti")
-        catalog = catalog.unionByName(gone.withColumn("state", F.lit("DELETED")))
-    if known_states is not None:
-        known = known_states.select("topic", "ledger_id", F.col("state").alias("_known_state"))
-        catalog = catalog.join(known, ["topic", "ledger_id"], "left").withColumn(
-            "state", F.coalesce("_known_state", "state")
-        )
+        rows = rows.unionByName(deleted.select(*per_ledger.columns).withColumn(FROM_DELETED, F.lit(True)))
+    decided = local_frame(spark, states, f"topic string, ledger_id long, state string, {FROM_DELETED} boolean")
+    catalog = rows.join(F.broadcast(decided), [*keys, FROM_DELETED]).drop(FROM_DELETED)
     catalog = catalog.withColumn("updated_at", F.current_timestamp())
     return catalog.select(*[F.col(f.name).cast(f.dataType) for f in LEDGERS_SCHEMA.fields if f.name in catalog.columns])
+
+
+FROM_DELETED = "from_deleted"  # `catalog_states`: the row is a `deleted_ledgers` row, the ledger has no entries left
+_KEYS = [("topic", pa.string()), ("ledger_id", pa.int64())]
+
+
+def _keyed(table: pa.Table, *columns: tuple[str, pa.DataType]) -> pa.Table:
+    """The key columns (and `columns`) of `table`, in the catalog's types, for Arrow joins."""
+    fields = [*_KEYS, *columns]
+    return pa.table([table[n].cast(t) for n, t in fields], schema=pa.schema(fields))
+
+
+def latest_recorded_states(log: pa.Table) -> pa.Table:
+    """The latest recorded state of each ledger in `ledger_states` rows: (topic, ledger_id, state).
+
+    The latest `recorded_at` wins; between equal times, the later row of the log. A row without
+    `recorded_at` (the column is NOT NULL: only a foreign writer leaves one) cannot be shown to be
+    newer than any timed transition, so it loses to all of them, as an older one would."""
+    if not log.num_rows:
+        return _keyed(log, ("state", pa.string()))
+    # Stable: ties keep log order.
+    ordered = log.take(pc.sort_indices(log, sort_keys=[("recorded_at", "ascending", "at_start")]))
+    # Ordered aggregation (no threads): "last" is the latest row of each ledger.
+    latest = ordered.group_by(["topic", "ledger_id"], use_threads=False).aggregate([("state", "last")])
+    return _keyed(latest.rename_columns({"state_last": "state"}), ("state", pa.string()))
+
+
+def catalog_states(ledgers: pa.Table, recorded: pa.Table | None = None, deleted: pa.Table | None = None) -> pa.Table:
+    """The catalog's state of each ledger: (topic, ledger_id, state, `FROM_DELETED`). Pure.
+
+    `ledgers`: the ledgers with entries (topic, ledger_id); a topic's last is OPEN (still being
+    written), the others CLOSED. `deleted` (topic, ledger_id: `deleted_ledgers`): one with no
+    entries left is DELETED whatever the log says (one that still has entries, retention stopped
+    half-way, is described by them). `recorded` (`latest_recorded_states`) then overrides the state
+    of any ledger listed. Any further column of `ledgers` and `deleted` (the same in both) is kept."""
+    extra = [(f.name, f.type) for f in ledgers.schema if f.name not in ("topic", "ledger_id")]
+    live = _keyed(ledgers, *extra)
+    newest = live.group_by("topic").aggregate([("ledger_id", "max")])
+    live = live.join(newest, "topic")
+    derived = pc.if_else(pc.equal(live["ledger_id"], live["ledger_id_max"]), "OPEN", "CLOSED")
+    rows = live.drop_columns(["ledger_id_max"]).append_column("state", derived.cast(pa.string()))
+    rows = rows.append_column(FROM_DELETED, pa.array([False] * rows.num_rows, pa.bool_()))
+    if deleted is not None and deleted.num_rows:
+        gone = _keyed(deleted, *extra).join(_keyed(ledgers), ["topic", "ledger_id"], join_type="left anti")
+        gone = gone.append_column("state", pa.array(["DELETED"] * gone.num_rows, pa.string()))
+        rows = pa.concat_tables([rows, gone.append_column(FROM_DELETED, pa.array([True] * gone.num_rows, pa.bool_()))])
+    if recorded is not None and recorded.num_rows:
+        known = _keyed(recorded, ("state", pa.string())).rename_columns(["topic", "ledger_id", "_recorded"])
+        rows = rows.join(known, ["topic", "ledger_id"], join_type="left outer")
+        rows = rows.set_column(rows.schema.get_field_index("state"), "state", pc.coalesce(rows["_recorded"], rows["state"]))
+        rows = rows.drop_columns(["_recorded"])
+    return rows.select(["topic", "ledger_id", *(n for n, _ in extra), "state", FROM_DELETED]).sort_by(
+        [("topic", "ascending"), ("ledger_id", "ascending")])
 
 
 def _per_ledger(entries: DataFrame) -> DataFrame:
@@ -92,19 +149,28 @@ def record_ledger_states(warehouse: Warehouse, transitions: list[tuple[str, int,
     DeltaTables(warehouse).append(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, rows)  # as the engine does: no Spark job
 
 
-def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
-    """The latest recorded state of each ledger that has one: (topic, ledger_id, state).
+def recorded_states_table(warehouse: Warehouse) -> pa.Table:
+    """`latest_recorded_states` of the warehouse's `ledger_states`, as Arrow.
 
     The log is small (a row per transition), so it is read by delta-rs and folded with Arrow, not
     scanned by Spark: every catalog reads it, often in a fresh JVM (docs/benchmarks.md, "Driver reads").
     """
-    log = DeltaTables(warehouse).read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, ["topic", "ledger_id", "state", "recorded_at"])
-    # Ordered aggregation (no threads): "last" is the latest recorded_at of each ledger.
-    latest = log.sort_by("recorded_at").group_by(["topic", "ledger_id"], use_threads=False).aggregate([("state", "last")])
-    return warehouse.spark.createDataFrame(
-        latest.select(["topic", "ledger_id", "state_last"]).rename_columns(["topic", "ledger_id", "state"]),
-        "topic string, ledger_id long, state string",
-    )
+    return latest_recorded_states(DeltaTables(warehouse).read(
+        LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, ["topic", "ledger_id", "state", "recorded_at"]))
+
+
+def recorded_ledger_states(warehouse: Warehouse) -> DataFrame:
+    """The latest recorded state of each ledger that has one: (topic, ledger_id, state), as a frame."""
+    return local_frame(warehouse.spark, recorded_states_table(warehouse), "topic string, ledger_id long, state string")
+
+
+def deleted_by_topic(recorded: pa.Table) -> dict[str, set[int]]:
+    """Per topic, the ledgers whose latest recorded state (`latest_recorded_states`) is DELETED."""
+    gone = recorded.filter(pc.equal(recorded["state"], "DELETED"))
+    deleted: dict[str, set[int]] = {}
+    for topic, ledger in zip(gone["topic"].to_pylist(), gone["ledger_id"].to_pylist()):
+        deleted.setdefault(topic, set()).add(ledger)
+    return deleted
 
 
 def recorded_deleted_ledgers(warehouse: Warehouse) -> DataFrame:

@@ -124,6 +124,22 @@ class IndexedSnapshot:
     abort_count: int | None = None
 
 
+def live_ends(rows: pa.Table | pa.RecordBatch) -> dict[str, int]:
+    """Per topic, the row number in `rows` of its latest `topic-end` (by `write_seq`) when that is
+    not a tombstone: which snapshot is live. Over the rows it is given: compaction gives all rows,
+    the index those that pass the checks. A null `write_seq` loses to any other (as Spark orders it
+    descending); between equal ones, the later row."""
+    topic = _strings(rows.column("topic"))
+    at = np.flatnonzero(pc.fill_null(end_keys(topic, rows.column("snapshot_key")), False).to_numpy(zero_copy_only=False))
+    ends = pa.table({"topic": topic.take(at), "write_seq": _array(rows.column("write_seq")).take(at)})
+    order = pc.sort_indices(ends, sort_keys=[("topic", "ascending"), ("write_seq", "ascending", "at_start")]).to_numpy()
+    latest: dict[str, int] = {}
+    for t, i in zip(ends.column("topic").take(order).to_pylist(), at[order].tolist()):
+        latest[t] = i  # ascending: the last seen is the latest
+    tombstone = pc.fill_null(_array(rows.column("tombstone")), False).to_pylist()
+    return {t: i for t, i in latest.items() if not tombstone[i]}
+
+
 def live_snapshot_index(segments: pa.Table) -> dict[str, IndexedSnapshot]:
     """Per topic with segment rows, its live snapshot or why it cannot be used; `rows` are row
     numbers of `segments` (`INDEX_COLUMNS`, `BAD_REASON`, `ABORT_SIZE`).
@@ -138,16 +154,11 @@ def live_snapshot_index(segments: pa.Table) -> dict[str, IndexedSnapshot]:
     is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
 
     bad: dict[str, str] = {}
-    ends: dict[str, int] = {}  # topic -> row of its latest good topic-end
-    for i, (row, why) in enumerate(zip(meta, reasons)):
-        topic = row["topic"]
-        if topic is None:
-            continue
-        if why is not None:
-            bad[topic] = min(bad.get(topic, why), why)
-        elif is_end[i] and (topic not in ends or row["write_seq"] > meta[ends[topic]]["write_seq"]):
-            ends[topic] = i
-    live = {t: i for t, i in ends.items() if not meta[i]["tombstone"]}
+    for row, why in zip(meta, reasons):
+        if row["topic"] is not None and why is not None:
+            bad[row["topic"]] = min(bad.get(row["topic"], why), why)
+    good = np.flatnonzero(pc.is_null(_array(segments.column(BAD_REASON))).to_numpy(zero_copy_only=False))
+    live = {t: int(good[i]) for t, i in live_ends(segments.take(good)).items()}
     parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
     for i, (row, why) in enumerate(zip(meta, reasons)):
         end = live.get(row["topic"])

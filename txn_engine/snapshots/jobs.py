@@ -10,7 +10,8 @@ The same design as the reference `txn_engine.reference.snapshots` (the oracle; d
   topic's replay is `snapshots.replay.replay_topic` in a Python worker, the function the driver's
   recovery (`snapshots.recovery`) calls: the asset recovers in the driver, this plan is its
   fallback for a large tail, and what the tests hold it equal to;
-- `snapshot_states`: the triggers and per-topic state (NO_SNAPSHOT / INITIALIZING / READY).
+- `snapshot_states`: per-topic state (NO_SNAPSHOT / INITIALIZING / READY) and the triggers'
+  verdict (`snapshots.triggers`).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Callable, Iterator, Sequence
 
+import pyarrow as pa
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 from pyspark.sql.functions import arrow_udf
-from pyspark.sql.types import IntegerType, StringType
+from pyspark.sql import types as T
+from pyspark.sql.types import BooleanType, IntegerType, StringType
 
 from txn_engine.buffer.kernel import NARROW_COLUMNS, require_ledger_entries
-from txn_engine.log.spark_columns import conform, has_txn, is_marker, position_lt
+from txn_engine.log.spark_columns import conform, has_txn, is_marker
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.log.ledgers import recorded_deleted_ledgers
@@ -46,8 +49,10 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
 from txn_engine.snapshots.index import (ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, RULE_COLUMNS, bad_row_reasons_of,
-                                        live_snapshot_index, part_numbers)
-from txn_engine.snapshots.replay import anchor_position, full_replay_rows, replayed_rows
+                                        end_keys, live_snapshot_index, part_numbers)
+from txn_engine.snapshots.index import live_ends as live_ends_of
+from txn_engine.snapshots.triggers import TriggerConfig, due_reasons
+from txn_engine.snapshots.replay import after_snapshot, anchor_position, full_replay_rows, replayed_rows
 from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
 from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
 
@@ -67,8 +72,12 @@ _part_number = arrow_udf(part_numbers, IntegerType())
 _bad_row_reason = arrow_udf(bad_row_reasons_of, StringType())
 
 
+_end_key = arrow_udf(end_keys, BooleanType())
+
+
 def is_end_key() -> Column:
-    return F.col("snapshot_key") == F.concat(F.col("topic"), F.lit(f"-{END_SUFFIX}"))
+    """Whether the row's key is its topic's `topic-end` (`index.end_keys`)."""
+    return _end_key(F.col("topic"), F.col("snapshot_key"))
 
 
 def part_number() -> Column:
@@ -308,16 +317,20 @@ def latest_per_key(segments: DataFrame) -> DataFrame:
     return segments.withColumn("_r", F.row_number().over(newest)).where("_r = 1").drop("_r")
 
 
-def live_ends(segments: DataFrame) -> DataFrame:
-    """Per topic, the latest `topic-end` when it is not a tombstone: the snapshot index."""
-    return latest_per_key(segments.where(is_end_key())).where(~F.coalesce("tombstone", F.lit(False)))
+def live_ends(segments: DataFrame, columns: Sequence[str]) -> DataFrame:
+    """`index.live_ends` of `segments` (the rows it applies to): per topic, `columns` of its live
+    `topic-end`. Collects the end rows' narrow columns (a row per `topic-end` row, no aborts)."""
+    needed = list(dict.fromkeys(["topic", "snapshot_key", "write_seq", "tombstone", *columns]))
+    ends = segments.where(is_end_key()).select(*needed).toArrow()
+    picked = ends.take(pa.array(sorted(live_ends_of(ends).values()), pa.int64()))
+    return local_frame(segments.sparkSession, picked, T.StructType([segments.schema[c] for c in ["topic", *columns]]))
 
 
 def compacted_segments(segments: DataFrame) -> DataFrame:
     """What compaction keeps: the latest row of each key unless it is a tombstone, and the newest
     row of each key of every live snapshot (the one its topic's latest `topic-end` names), which a
     newer, unfinished snapshot may have overwritten."""
-    live = live_ends(segments).select("topic", F.col("snapshot_id").alias("_live_id"))
+    live = live_ends(segments, ["snapshot_id"]).select("topic", F.col("snapshot_id").alias("_live_id"))
     not_tombstone = ~F.coalesce(F.col("tombstone"), F.lit(False))
     newest = Window.partitionBy("snapshot_key").orderBy(F.col("write_seq").desc())
     newest_of_snapshot = Window.partitionBy("snapshot_key", "snapshot_id", "_tomb").orderBy(F.col("write_seq").desc())
@@ -482,7 +495,7 @@ def entries_after_snapshots(entries: DataFrame, snap: DataFrame, lowest_ledger: 
     return (
         entries.where(F.col("ledger_id") >= F.lit(lowest_ledger))
         .join(F.broadcast(snap), "topic")
-        .where(position_lt(F.col("_sl"), F.col("_se"), F.col("ledger_id"), F.col("entry_id")))
+        .where(after_snapshot(F.col))
     )
 
 
@@ -539,21 +552,6 @@ def recovery_mismatches(recovered: DataFrame, full: DataFrame) -> DataFrame:
 
 # -- triggers and per-topic state ----------------------------------------------------------------
 
-@dataclass(frozen=True)
-class TriggerConfig:
-    """When a topic is due for a snapshot (Pulsar: transactionBufferSnapshotMaxTransactionCount,
-    transactionBufferSnapshotMinTimeInMillis)."""
-
-    max_changes: int = 1000  # max-read-position changes + aborts since the last snapshot
-    interval_seconds: float = 300.0  # and at least this often while anything changed
-
-    def __post_init__(self) -> None:
-        if self.max_changes < 1:
-            raise ValueError(f"max_changes must be at least 1, got {self.max_changes}")
-        if self.interval_seconds <= 0:
-            raise ValueError(f"interval_seconds must be positive, got {self.interval_seconds}")
-
-
 def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConfig,
                     now: datetime | None = None) -> DataFrame:
     """`txn_snapshot_state`: per topic with transactional data or snapshot rows, its state and whether
@@ -564,16 +562,15 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
     - changes since the snapshot: the markers after its max read position. Each COMMIT or ABORT
       is an abort or may move the max read position: the batch count of the broker's
       changeMaxReadPositionAndAddAbortTimes (every marker of a topic without a snapshot).
-    - due: the first snapshot as soon as the topic has transactional data; then after
-      `max_changes` changes, or after `interval_seconds` when anything changed; and when it is
-      INITIALIZING: snapshot runs hold the snapshot lock from here to their state's write, so
-      parts without their end seen here were left by a writer that stopped (a crash). Written
-      again, the topic is READY and the next compaction drops those parts.
+    - due: `triggers.due_reasons` (its reason in `due_reason`). INITIALIZING is due: snapshot runs
+      hold the snapshot lock from here to their state's write, so parts without their end seen
+      here were left by a writer that stopped (a crash). Written again, the topic is READY and the
+      next compaction drops those parts.
     """
     now = now or datetime.now(timezone.utc)
     checked = checked_segments(segments)
     index = _live_snapshots(checked)
-    ends = live_ends(checked.where(F.col(BAD_REASON).isNull())).select(
+    ends = live_ends(checked.where(F.col(BAD_REASON).isNull()), ["write_seq", "written_at"]).select(
         "topic", F.col("write_seq").alias("_end_seq"), F.col("written_at").alias("last_snapshot_at"))
     newer_parts = (
         checked.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
@@ -588,8 +585,7 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
         narrow.join(F.broadcast(usable), "topic", "left")
         .groupBy("topic").agg(
             F.count(F.when(has_txn(), 1)).alias("_txn_entries"),
-            F.count(F.when(is_marker() & (F.col("_sl").isNull() | position_lt(
-                F.col("_sl"), F.col("_se"), F.col("ledger_id"), F.col("entry_id"))), 1)).alias("changes_since_snapshot"),
+            F.count(F.when(is_marker() & (F.col("_sl").isNull() | after_snapshot(F.col)), 1)).alias("changes_since_snapshot"),
         )
     )
     topics = per_topic.where("_txn_entries > 0").select("topic").unionByName(index.select("topic")).distinct()
@@ -601,17 +597,11 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
     unfinished = F.coalesce("_unfinished", F.lit(0)) > 0
     state = F.when(unfinished, F.lit("INITIALIZING")).when(has_snapshot, F.lit("READY")).otherwise(F.lit("NO_SNAPSHOT"))
     changes = F.coalesce("changes_since_snapshot", F.lit(0))
-    age = F.lit(now.timestamp()) - F.col("last_snapshot_at").cast("double")
-    has_txn_data = F.coalesce("_txn_entries", F.lit(0)) > 0
-    reason = (
-        F.when(~has_snapshot & has_txn_data, F.lit("first snapshot: the topic has transactional data"))
-        .when(unfinished, F.lit("an unfinished snapshot (parts without their end, its writer stopped): written again"))
-        .when(has_snapshot & (changes >= config.max_changes),
-              F.format_string("%d changes since the last snapshot (threshold %d)", changes, F.lit(config.max_changes)))
-        .when(has_snapshot & (changes > 0) & (age >= config.interval_seconds),
-              F.format_string("%d changes and %.0f s since the last snapshot (interval %.0f s)", changes, age,
-                              F.lit(float(config.interval_seconds))))
-    )
+    first_due = ~has_snapshot & (F.coalesce("_txn_entries", F.lit(0)) > 0)
+    due_reason = arrow_udf(lambda rows: due_reasons(pa.RecordBatch.from_struct_array(rows), config, now), StringType())
+    reason = due_reason(F.struct(has_snapshot.alias("has_snapshot"), unfinished.alias("unfinished"),
+                                 first_due.alias("first_due"), changes.alias("changes_since_snapshot"),
+                                 F.col("last_snapshot_at")))
     return conform(
         joined.select(
             "topic", state.alias("state"),

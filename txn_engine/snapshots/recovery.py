@@ -24,16 +24,14 @@ import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
-from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter, position_lt
+from txn_engine.buffer.kernel import NARROW_COLUMNS, ledger_filter
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.storage.delta_io import DeltaTables, scan, version_key
-from txn_engine.log.ledgers import stale_catalog
+from txn_engine.log.ledgers import deleted_by_topic, recorded_states_table, stale_catalog
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
-    LEDGER_STATES_LOG,
-    LEDGER_STATES_SCHEMA,
     LEDGERS,
     LEDGERS_SCHEMA,
     RECOVERED_BUFFER_STATE,
@@ -44,7 +42,7 @@ from txn_engine.core.schema import (
 from txn_engine.snapshots.jobs import full_replay_states, recover_from_warehouse
 from txn_engine.snapshots.index import ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, IndexedSnapshot, bad_row_reasons, live_snapshot_index
 from txn_engine.snapshots.format import Source
-from txn_engine.snapshots.replay import ABORTS_TYPE, anchor_position, replay_topic
+from txn_engine.snapshots.replay import ABORTS_TYPE, SNAPSHOT_ENTRY, SNAPSHOT_LEDGER, after_snapshot, anchor_position, replay_topic
 from txn_engine.storage.warehouse import Warehouse
 
 RECOVERED_SCHEMA = arrow_schema(RECOVERED_BUFFER_STATE_SCHEMA)
@@ -84,20 +82,6 @@ def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[in
     if deleted and len(kept):
         kept = kept.filter(pc.invert(pc.is_in(kept.field("ledger_id"), pa.array(sorted(deleted), pa.int64()))))
     return kept
-
-
-def recorded_deleted_by_topic(states: pa.Table) -> dict[str, set[int]]:
-    """Per topic, the ledgers whose latest recorded state (`ledger_states`) is DELETED."""
-    latest: dict[tuple[str, int], tuple] = {}
-    for r in states.select(["topic", "ledger_id", "state", "recorded_at"]).to_pylist():
-        key = (r["topic"], r["ledger_id"])
-        if key not in latest or (r["recorded_at"] is not None and (latest[key][0] is None or r["recorded_at"] > latest[key][0])):
-            latest[key] = (r["recorded_at"], r["state"])
-    deleted: dict[str, set[int]] = {}
-    for (topic, ledger), (_, state) in latest.items():
-        if state == "DELETED":
-            deleted.setdefault(topic, set()).add(ledger)
-    return deleted
 
 
 # -- reading, planning and writing --------------------------------------------------------------
@@ -155,11 +139,9 @@ def _tail(log: DeltaTable, usable: dict[str, IndexedSnapshot], limits: DriverLim
     topics = sorted(usable)
     rows = scan(dataset, ds.field("ledger_id") >= lowest, columns, on_rows=ds.field("topic").isin(topics))
     at = pc.index_in(rows.column("topic"), pa.array(topics))
-    sl = pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at)
-    se = pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at)
-    lid, eid = rows.column("ledger_id"), rows.column("entry_id")
-    after = position_lt(sl, se, lid, eid)
-    rows = rows.filter(after)
+    rows = rows.append_column(SNAPSHOT_LEDGER, pc.take(pa.array([usable[t].max_read.ledger_id for t in topics], pa.int64()), at))
+    rows = rows.append_column(SNAPSHOT_ENTRY, pc.take(pa.array([usable[t].max_read.entry_id for t in topics], pa.int64()), at))
+    rows = rows.filter(after_snapshot(pc.field)).drop_columns([SNAPSHOT_LEDGER, SNAPSHOT_ENTRY])
     if rows.num_rows > limits.max_replayed_entries:
         return None
     return rows.take(pc.sort_indices(rows, sort_keys=[("topic", "ascending"), ("ledger_id", "ascending"),
@@ -209,7 +191,7 @@ def recover_to_warehouse(warehouse: Warehouse, limits: DriverLimits = DriverLimi
     tables = DeltaTables(warehouse)
     with _step(seconds, "index"):
         index, aborts = snapshot_index(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA))
-        deleted = recorded_deleted_by_topic(tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA))
+        deleted = deleted_by_topic(recorded_states_table(warehouse))
     usable = {t: s for t, s in index.items() if s.fallback_reason is None}
     log = warehouse.delta_rs_table(warehouse.path(LEDGER_ENTRIES))
     # The log's version this recovery starts from, in its commit: the check tells a recovery the

@@ -19,6 +19,7 @@ from txn_engine.buffer.kernel import NARROW_COLUMNS
 from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import ABORT_STRUCT, ABORTED_TXNS, LEDGER_ENTRIES_SCHEMA, STABLE_POSITIONS
+from txn_engine.log.spark_columns import position_lt
 from txn_engine.storage.arrow_frames import arrow_schema, arrow_type
 
 ABORTS_TYPE = arrow_type(ABORT_STRUCT)
@@ -29,6 +30,17 @@ REPLAYED_SCHEMA = pa.schema([("topic", pa.string()), ("max_read_ledger_id", pa.i
                              ("aborts", pa.list_(ABORTS_TYPE)), ("replayed_entries", pa.int64())])
 # The snapshot side of a topic on Spark: its trimmed aborts and its anchor (null when none).
 SNAPSHOT_COLUMNS = ("_kept", "_anchor_ledger_id", "_anchor_entry_id")
+
+# Beside each entry, its topic's snapshot max read position: the columns `after_snapshot` compares.
+SNAPSHOT_LEDGER, SNAPSHOT_ENTRY = "_sl", "_se"
+
+
+def after_snapshot(col):
+    """The tail recovery replays: an entry after its topic's snapshot max read position (in the
+    `SNAPSHOT_LEDGER`, `SNAPSHOT_ENTRY` columns beside it). `col` names a column: `pc.field` in the
+    driver (a pyarrow filter), `F.col` on Spark; operators only, so it is one rule either way (as
+    `tier.reader.read_limit`)."""
+    return position_lt(col(SNAPSHOT_LEDGER), col(SNAPSHOT_ENTRY), col("ledger_id"), col("entry_id"))
 
 
 def anchor_position(max_read: Position, deleted: Container[int],

@@ -38,15 +38,14 @@ from txn_engine.buffer.spark_runner import SparkDecisions, committed_rows, decid
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
-from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states
+from txn_engine.log.ledgers import (catalog_states, entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states,
+                                    recorded_states_table)
 from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     BUFFER_DUPLICATES,
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
-    LEDGER_STATES_LOG,
-    LEDGER_STATES_SCHEMA,
     BUFFER_LEDGER_TXNS,
     BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
@@ -627,32 +626,13 @@ def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
 def eligible_not_offloaded(wh: Warehouse) -> list[tuple[str, int]]:
     """`offload_candidates` decided without Spark, for the sensor: the same reads (the ranges of
     `ledger_entries`, the recorded states, the deleted ledgers, `stable_positions`, the manifest),
-    by delta-rs, and the same rules (`catalog_of_ledgers`'s states, restated here in Python, and
-    `eligibility`): a row per ledger. A tick then starts no JVM in the code server, which would take much
-    of the sensor's timeout and stay resident (docs/benchmarks.md, "Driver reads"). Equal to
-    `offload_candidates` (tested)."""
+    by delta-rs, and the same rules (`catalog_states`, `eligibility`): a row per ledger. A tick then
+    starts no JVM in the code server, which would take much of the sensor's timeout and stay
+    resident (docs/benchmarks.md, "Driver reads"). Equal to `offload_candidates` (tested)."""
     tables = DeltaTables(wh)
-    ranges = ledger_ranges(wh).select(["topic", "ledger_id", "last_entry_id"]).to_pylist()
-    newest: dict[str, int] = {}
-    for r in ranges:
-        newest[r["topic"]] = max(newest.get(r["topic"], r["ledger_id"]), r["ledger_id"])
-    # (topic, ledger_id) -> [state, last_entry_id]: a topic's last ledger OPEN, the others CLOSED,
-    # a deleted ledger with no entries left DELETED, then the latest recorded state over all.
-    catalog = {(r["topic"], r["ledger_id"]): ["OPEN" if r["ledger_id"] == newest[r["topic"]] else "CLOSED", r["last_entry_id"]]
-               for r in ranges}
-    for r in tables.read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id", "last_entry_id"]).to_pylist():
-        catalog.setdefault((r["topic"], r["ledger_id"]), ["DELETED", r["last_entry_id"]])
-    log = tables.read(LEDGER_STATES_LOG, LEDGER_STATES_SCHEMA, ["topic", "ledger_id", "state", "recorded_at"])
-    # The fold of `recorded_ledger_states`: the latest recorded_at of each ledger wins.
-    latest = log.sort_by("recorded_at").group_by(["topic", "ledger_id"], use_threads=False).aggregate([("state", "last")])
-    for r in latest.to_pylist():
-        if (r["topic"], r["ledger_id"]) in catalog:
-            catalog[(r["topic"], r["ledger_id"])][0] = r["state_last"]
+    ledgers = catalog_states(ledger_ranges(wh).select(["topic", "ledger_id", "last_entry_id"]), recorded_states_table(wh),
+                             tables.read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id", "last_entry_id"]))
     stable = tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic", "max_read_ledger_id", "max_read_entry_id"])
-    ledgers = pa.Table.from_pylist([{"topic": t, "ledger_id": l, "state": state, "last_entry_id": last}
-                                    for (t, l), (state, last) in catalog.items()],
-                                   schema=pa.schema([("topic", pa.string()), ("ledger_id", pa.int64()), ("state", pa.string()),
-                                                     ("last_entry_id", pa.int64())]))
     decided = eligibility(ledgers, stable)
     eligible = set(zip(*(decided.filter(decided["eligible"])[c].to_pylist() for c in ("topic", "ledger_id"))))
     manifest = tables.read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"]).to_pylist()
