@@ -189,14 +189,34 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     steps += [["run", *quiet], ["snapshot", *quiet], ["offload", *quiet]]
     started = time.monotonic()
     _command.console.close()  # each step's command tells its own stages
-    for step in steps:
-        print(f"\n== txnlake {' '.join(step)}", flush=True)
-        code = main(step)
-        if code:
-            print(f"quickstart stopped: `txnlake {' '.join(step)}` exited {code}", file=sys.stderr)
-            return code
+    spark_conf = os.environ.get("TXNLAKE_SPARK_CONF")
+    if steps[0][0] == "generate":
+        _interpret_expressions(spark_conf)
+    try:
+        for step in steps:
+            print(f"\n== txnlake {' '.join(step)}", flush=True)
+            code = main(step)
+            if code:
+                print(f"quickstart stopped: `txnlake {' '.join(step)}` exited {code}", file=sys.stderr)
+                return code
+    finally:
+        if spark_conf is None:
+            os.environ.pop("TXNLAKE_SPARK_CONF", None)
+        else:
+            os.environ["TXNLAKE_SPARK_CONF"] = spark_conf
     print(f"\nquickstart done in {time.monotonic() - started:.0f}s: {len(steps)} steps, one process")
     return 0
+
+
+def _interpret_expressions(spark_conf: str | None) -> None:
+    """The demo's log is small: its session interprets expressions (`SMALL_LOG_SPARK_CONF`) unless
+    the user's TXNLAKE_SPARK_CONF says otherwise."""
+    from resources.spark import SMALL_LOG_SPARK_CONF
+    from txn_engine.core.settings import conf_from_environment
+
+    own = conf_from_environment()
+    extra = [f"{k}={v}" for k, v in SMALL_LOG_SPARK_CONF.items() if k not in own]
+    os.environ["TXNLAKE_SPARK_CONF"] = ",".join(filter(None, [spark_conf or "", *extra]))
 
 
 def _check_paths_reach_executors(args: argparse.Namespace) -> None:

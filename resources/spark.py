@@ -68,6 +68,14 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     "spark.sql.execution.arrow.pyspark.enabled": "true",
 }
 
+# For a log of a few thousand rows (the demo `make run` generates): Spark interprets expressions
+# rather than generating and compiling code for each query, which costs more than it saves there
+# (docs/benchmarks.md, "make run"). SQL settings: they change at run time too.
+SMALL_LOG_SPARK_CONF: dict[str, str] = {
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+}
+
 # The packages executors import (pyproject's [tool.setuptools] packages), shipped as one zip.
 CODE_PACKAGES = ("txn_engine", "assets", "resources", "pipelines")
 CODE_ZIP_MAX_AGE_S = 30 * 24 * 3600  # past any session's life: its executors fetch the zip from the driver

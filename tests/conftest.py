@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from resources.spark import SMALL_LOG_SPARK_CONF
+
 # Sized for the suite on 2 cores: small shuffles, a modest heap (TXNLAKE_TEST_DRIVER_MEMORY
 # lowers it when several suites share the machine).
 # The suite is thousands of tiny Spark jobs in one JVM, CPU-bound on the JVM's own work (JIT
@@ -18,15 +20,14 @@ import pytest
 # tests only. Most tests also evaluate expressions interpreted, without generating and compiling
 # Java per query (Spark's own suites run both ways): on a few rows compiling is most of a query's
 # JVM time. The differential tests, Spark against the reference on random histories, run with
-# Spark's production codegen (`production_codegen`), as `make run` and every subprocess the tests
-# start do. Evidence: docs/benchmarks.md, "The test suite".
+# Spark's production codegen (`production_codegen`), as every subprocess the tests start does
+# (`make run`'s demo interprets, `SMALL_LOG_SPARK_CONF`). Evidence: docs/benchmarks.md, "The test suite".
 PRODUCTION_CODEGEN = {"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK"}
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC -XX:CompileThresholdScaling=10",
     "spark.sql.codegen.cache.maxEntries": "10000",
-    "spark.sql.codegen.wholeStage": "false",
-    "spark.sql.codegen.factoryMode": "NO_CODEGEN",
+    **SMALL_LOG_SPARK_CONF,
     "spark.sql.shuffle.partitions": "4",
     "spark.app.name": "txnlake-tests",
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -226,7 +227,9 @@ def test_quickstart_is_make_run_in_one_process(warehouse, warehouse_root, tmp_pa
     from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, OFFLOADED_ENTRIES
 
     demo = tmp_path / "data" / "demo.jsonl"
+    spark_conf = os.environ.get("TXNLAKE_SPARK_CONF")
     assert main(["quickstart", "--entries", "1500", "--file", str(demo), "--quiet"]) == 0
+    assert os.environ.get("TXNLAKE_SPARK_CONF") == spark_conf  # the demo's settings end with it
     out, err = capsys.readouterr()
     assert "started" not in err and "starting Spark" not in err, err  # --quiet reaches every step
     steps = [line.removeprefix("== txnlake ") for line in out.splitlines() if line.startswith("== txnlake ")]
@@ -243,3 +246,18 @@ def test_quickstart_is_make_run_in_one_process(warehouse, warehouse_root, tmp_pa
     out = capsys.readouterr().out
     steps = [line.removeprefix("== txnlake ").split()[0] for line in out.splitlines() if line.startswith("== txnlake ")]
     assert steps == ["migrate", "run", "snapshot", "offload"] and "nothing to do" in out, out
+
+
+def test_the_demo_session_interprets_expressions_unless_the_user_says_otherwise(monkeypatch):
+    from pipelines.cli import _interpret_expressions
+    from resources.spark import SMALL_LOG_SPARK_CONF
+    from txn_engine.core.settings import conf_from_environment
+
+    monkeypatch.setenv("TXNLAKE_SPARK_CONF", "spark.sql.codegen.wholeStage=true,spark.driver.memory=2g")
+    _interpret_expressions("spark.sql.codegen.wholeStage=true,spark.driver.memory=2g")
+    conf = conf_from_environment()
+    assert conf["spark.sql.codegen.wholeStage"] == "true" and conf["spark.driver.memory"] == "2g"
+    assert conf["spark.sql.codegen.factoryMode"] == SMALL_LOG_SPARK_CONF["spark.sql.codegen.factoryMode"]
+    monkeypatch.delenv("TXNLAKE_SPARK_CONF")
+    _interpret_expressions(None)
+    assert conf_from_environment() == SMALL_LOG_SPARK_CONF
