@@ -13,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from resources.jvm_archive import BUILD_ENV, archive_dir, archive_path
+from resources.jvm_archive import BUILD_ENV, archive_dir, archive_path, conf_dir
 
 QUICKSTART_ENTRIES = 2000
 BUILD_TIMEOUT_S = 900
@@ -45,7 +45,7 @@ def _dumping(dump: Path) -> bool:
 
 def build() -> Path | None:
     """The archive for the default local session: its path, built when missing; None when it cannot be."""
-    target = archive_path({}, str(archive_dir() / "conf"))  # the default session: no extra class path
+    target = archive_path({}, str(conf_dir()))  # the default session: no extra class path
     if target is None:
         print("warning: no java found: Spark sessions start without a class archive", file=sys.stderr)
         return None

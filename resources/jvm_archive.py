@@ -23,6 +23,7 @@ from typing import Mapping
 import pyspark
 
 from resources.delta_jars import jar_cache_dir
+from txn_engine.core.settings import switched_off
 
 LOG4J2_PROPERTIES = Path(__file__).parent / "log4j2.properties"
 BUILD_ENV = "TXNLAKE_JVM_ARCHIVE_BUILD"  # set by the builder: the path the driver dumps its archive to
@@ -33,17 +34,22 @@ def archive_dir() -> Path:
     return jar_cache_dir() / "jvm-archive"
 
 
+def conf_dir() -> Path:
+    """The driver's SPARK_CONF_DIR unless the user sets one: empty (no spark-defaults.conf)."""
+    return archive_dir() / "conf"
+
+
 def empty_conf_dir() -> Path:
-    """The driver's SPARK_CONF_DIR unless the user sets one: empty (no spark-defaults.conf), created here."""
-    folder = archive_dir() / "conf"
+    """`conf_dir()`, created."""
+    folder = conf_dir()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 def _java() -> Path | None:
     java_home = os.environ.get("JAVA_HOME")
-    found = Path(java_home) / "bin" / "java" if java_home else (Path(shutil.which("java")) if shutil.which("java") else None)
-    return found.resolve() if found and found.exists() else None
+    found = Path(java_home) / "bin" / "java" if java_home else shutil.which("java")
+    return Path(found).resolve() if found and Path(found).exists() else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -63,32 +69,32 @@ def _installed_digest() -> str | None:
     return digest.hexdigest()
 
 
-def archive_key(conf: Mapping[str, str], conf_dir: str) -> str | None:
+def archive_key(conf: Mapping[str, str], driver_conf_dir: str) -> str | None:
     """What the JVM checks an archive against: the JDK and the driver's class path; None without a JDK."""
     installed = _installed_digest()
     if installed is None:
         return None
     extra = conf.get("spark.driver.extraClassPath", "")
-    return hashlib.sha256(f"{installed}|conf={conf_dir}|extra={extra}".encode()).hexdigest()[:16]
+    return hashlib.sha256(f"{installed}|conf={driver_conf_dir}|extra={extra}".encode()).hexdigest()[:16]
 
 
-def archive_path(conf: Mapping[str, str], conf_dir: str) -> Path | None:
-    key = archive_key(conf, conf_dir)
+def archive_path(conf: Mapping[str, str], driver_conf_dir: str) -> Path | None:
+    key = archive_key(conf, driver_conf_dir)
     return archive_dir() / f"driver-{key}.jsa" if key else None
 
 
-def driver_java_options(conf: Mapping[str, str], conf_dir: str) -> list[str]:
+def driver_java_options(conf: Mapping[str, str], driver_conf_dir: str) -> list[str]:
     """JVM options for the driver: our log4j2 configuration, and the archive when this machine has
     one for this class path (or the dump of one, for the builder). Only with our own conf folder:
     a user's (a cluster's spark-defaults.conf) is not ours to empty."""
-    if conf_dir != str(archive_dir() / "conf"):
+    if driver_conf_dir != str(conf_dir()):
         return []
     options = [f"-Dlog4j2.configurationFile={LOG4J2_PROPERTIES.as_uri()}"]
-    if os.environ.get(ARCHIVE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+    if switched_off(ARCHIVE_ENV):
         return options
     if os.environ.get(BUILD_ENV):
         return [*options, f"-XX:ArchiveClassesAtExit={os.environ[BUILD_ENV]}"]
-    path = archive_path(conf, conf_dir)
+    path = archive_path(conf, driver_conf_dir)
     if path is not None and path.is_file():
         # A stale archive is the JVM's to refuse (it then runs without); its one-line warning is noise.
         options += [f"-XX:SharedArchiveFile={path}", "-Xlog:cds=off", "-Xlog:cds+dynamic=off"]

@@ -33,10 +33,11 @@ from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
 from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
-from resources.jvm_archive import archive_dir, driver_java_options, empty_conf_dir
+from resources.jvm_archive import conf_dir, driver_java_options, empty_conf_dir
 from resources.kafka_jars import cached_segment_reader_jars
 from txn_engine.core.errors import ConfigurationError
-from txn_engine.core.settings import WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master, is_loopback_master
+from txn_engine.core.settings import (WarehouseSettings, conf_from_environment, executors_on_this_host, is_local_master,
+                                      is_loopback_master, switched_off)
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
 def _conf_dir() -> str:
     """The driver's SPARK_CONF_DIR: the user's when set (a cluster's spark-defaults.conf wins), else
     an empty one of ours (`resources.jvm_archive`)."""
-    return os.environ.get("SPARK_CONF_DIR") or str(archive_dir() / "conf")
+    return os.environ.get("SPARK_CONF_DIR") or str(conf_dir())
 
 
 def _add_s3_jars(merged: dict[str, str]) -> None:
@@ -147,9 +148,7 @@ def _add_cluster_conf(merged: dict[str, str]) -> None:
         merged["spark.pyspark.python"] = sys.executable
     # spark-submit (which starts the driver's JVM) also adds these to spark.files: executors fetch
     # the zip and put it on their workers' PYTHONPATH.
-    if not merged.get("spark.submit.pyFiles") and os.environ.get("TXNLAKE_SHIP_CODE", "1").strip().lower() not in (
-        "0", "false", "no", "off"
-    ):
+    if not merged.get("spark.submit.pyFiles") and not switched_off("TXNLAKE_SHIP_CODE"):
         merged["spark.submit.pyFiles"] = str(code_zip())
 
 

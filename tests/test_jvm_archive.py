@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from resources.jvm_archive import ARCHIVE_ENV, archive_dir, archive_key, archive_path, driver_java_options
+from resources.jvm_archive import ARCHIVE_ENV, archive_key, archive_path, conf_dir, driver_java_options
 from resources.spark import effective_conf
 
 REPO = Path(__file__).resolve().parent.parent
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_a_session_gets_our_log4j_and_the_archive_of_its_class_path(monkeypatch, tmp_path):
     monkeypatch.setenv("TXNLAKE_JAR_CACHE", str(tmp_path / "jars"))
     monkeypatch.delenv(ARCHIVE_ENV, raising=False)
-    ours = str(archive_dir() / "conf")
+    ours = str(conf_dir())
     options = driver_java_options({}, ours)
     assert [o for o in options if "log4j2.configurationFile" in o] and not [o for o in options if "Archive" in o]
 
@@ -42,7 +42,7 @@ def test_a_session_gets_our_log4j_and_the_archive_of_its_class_path(monkeypatch,
 
 def test_the_archive_built_by_make_setup_maps_into_a_driver(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONF_DIR", "TXNLAKE_SPARK_CONF", ARCHIVE_ENV)}
-    archive = archive_path({}, str(archive_dir() / "conf"))
+    archive = archive_path({}, str(conf_dir()))
     assert archive is not None and archive.is_file(), f"no class archive for this machine at {archive}: run `make setup`"
     log = tmp_path / "cds.log"
     # -Xshare:on makes an archive the JVM cannot map a failure to start, not a silent fallback.

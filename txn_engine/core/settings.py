@@ -81,6 +81,11 @@ def conf_from_environment() -> dict[str, str]:
     return conf
 
 
+def switched_off(variable: str) -> bool:
+    """An on-by-default switch in the environment (`0`, `false`, `no`, `off` turn it off)."""
+    return os.environ.get(variable, "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def is_local_master(master: str) -> bool:
     return master.startswith("local")
 
