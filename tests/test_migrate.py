@@ -170,3 +170,56 @@ def test_an_old_layout_is_refused_then_moved_keeping_every_row_through_crashes(w
     assert not os.path.exists(settings.former_lock_root())
     assert main(["migrate"]) == 0
     assert "already current" in capsys.readouterr().out
+
+
+def test_snapshot_aborts_carry_a_readable_txn_id_and_older_logs_are_migrated(warehouse, capsys):
+    """Each abort in `txn_snapshot_segments` and `recovered_buffer_state` has its `txn_id`, written by
+    Spark and by Arrow; a log written without it is refused before any write, then migrated."""
+    from deltalake import DeltaTable
+
+    from pipelines.cli import main
+    from tests.test_snapshot_jobs import aborted_history, assert_all_recover, snapshot, store_log
+    from txn_engine.core.schema import RECOVERED_BUFFER_STATE, TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA
+    from txn_engine.snapshots.jobs import recover_from_warehouse
+    from txn_engine.snapshots.format import SnapshotConfig
+
+    entries = aborted_history("a", 3) + aborted_history("b", 2, first_ledger=200)
+    store_log(warehouse, entries)
+    snapshot(warehouse, entries, ["a", "b"])
+    assert_all_recover(warehouse, entries)  # recovered_buffer_state written by the driver's Arrow path
+
+    def aborts(table):
+        return [a for r in DeltaTable(warehouse.path(table)).to_pyarrow_table().to_pylist() for a in r["aborts"] or []]
+
+    def assert_readable(table):
+        stored = aborts(table)
+        assert len(stored) == 5, table
+        assert all(list(a) == ["txn_most_bits", "txn_least_bits", "txn_id", "ledger_id", "entry_id"] for a in stored)
+        assert all(a["txn_id"] == f"{a['txn_most_bits']}:{a['txn_least_bits']}" for a in stored), table
+        return sorted(tuple(a.values()) for a in stored)
+
+    segments = assert_readable(TXN_SNAPSHOT_SEGMENTS)
+    recovered = assert_readable(RECOVERED_BUFFER_STATE)
+    warehouse.overwrite(RECOVERED_BUFFER_STATE, recover_from_warehouse(warehouse))  # Spark's writer
+    assert assert_readable(RECOVERED_BUFFER_STATE) == recovered
+
+    # What an older txnlake wrote: each abort without its txn_id.
+    for table in (TXN_SNAPSHOT_SEGMENTS, RECOVERED_BUFFER_STATE):
+        frame = warehouse.spark.read.format("delta").load(warehouse.path(table))
+        old = frame.withColumn("aborts", F.transform("aborts", lambda a: F.struct(
+            *[a[n].alias(n) for n in ("txn_most_bits", "txn_least_bits", "ledger_id", "entry_id")]))).localCheckpoint()
+        old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(warehouse.path(table))
+    with pytest.raises(WarehouseMigrationError, match=r"txn_snapshot_segments at .* has no column\(s\) aborts.txn_id: "
+                       r".*Run `txnlake migrate` once"):
+        DeltaTables(warehouse).read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+    version = DeltaTable(warehouse.path(TXN_SNAPSHOT_SEGMENTS)).version()
+    with pytest.raises(WarehouseMigrationError, match="aborts.txn_id"):
+        snapshot(warehouse, entries, ["a"], SnapshotConfig())
+    assert DeltaTable(warehouse.path(TXN_SNAPSHOT_SEGMENTS)).version() == version  # refused before any write
+
+    assert main(["migrate"]) == 0
+    out = capsys.readouterr().out
+    assert "txn_snapshot_segments: added aborts.txn_id" in out and "recovered_buffer_state: added aborts.txn_id" in out
+    assert assert_readable(TXN_SNAPSHOT_SEGMENTS) == segments
+    assert assert_readable(RECOVERED_BUFFER_STATE) == recovered
+    assert_all_recover(warehouse, entries)

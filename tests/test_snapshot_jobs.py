@@ -17,6 +17,7 @@ from tests.buffer_histories import frame
 from txn_engine.buffer.spark_runner import compute_buffer_tables
 from txn_engine.log.ledgers import record_ledger_states
 from txn_engine.storage.locks import TableLockTimeout
+from txn_engine.storage.warehouse import stored_frame
 from txn_engine.core.log_types import LogEntry, TxnId
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
@@ -68,7 +69,8 @@ def recovered_by_topic(warehouse, limits: DriverLimits = DriverLimits(), path: s
     """Recovery as the asset runs it (written to recovered_buffer_state), row for row the Spark path's."""
     assert recover_to_warehouse(warehouse, limits).path == path
     written = {r.topic: r.asDict(recursive=True) for r in warehouse.read(RECOVERED_BUFFER_STATE).collect()}
-    on_spark = {r.topic: r.asDict(recursive=True) for r in recover_from_warehouse(warehouse).collect()}
+    on_spark = {r.topic: r.asDict(recursive=True)
+                for r in stored_frame(RECOVERED_BUFFER_STATE, recover_from_warehouse(warehouse)).collect()}
     differing = {t: (written.get(t), on_spark.get(t)) for t in set(written) | set(on_spark) if written.get(t) != on_spark.get(t)}
     assert not differing, differing
     return written

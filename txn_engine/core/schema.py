@@ -6,6 +6,7 @@ Downstream SQL depends on these column names and meanings; add columns, never re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from pyspark.sql.types import (
     ArrayType,
@@ -417,7 +418,8 @@ COMMON_DESCRIPTIONS = {
     "size_bytes": "The ledger's entry bytes: payloads plus keys.",
     "first_publish_time": "The earliest publish_time in the ledger.",
     "last_publish_time": "The latest publish_time in the ledger.",
-    "aborts": "The aborted transactions, each with its abort marker's position, in abort-marker order.",
+    "aborts": "The aborted transactions, each with its id (two halves and txn_id) and its abort marker's position, "
+              "in abort-marker order.",
     "snapshot_id": "The snapshot: its number, counting up per topic.",
     "log_seq": "The transaction log record's sequence number (the latest per transactional id wins).",
     "group_id": "The consumer group.",
@@ -501,7 +503,8 @@ TABLE_DESCRIPTIONS: dict[str, dict[str, str]] = {
         "snapshot_key": "The segment's key: topic-1 ... topic-N, and topic-end.",
         "max_read_ledger_id": "The stable position's ledger when the snapshot was taken (on topic-end).",
         "max_read_entry_id": "The stable position's entry id when the snapshot was taken (on topic-end).",
-        "aborts": "This segment's aborted transactions, each with its abort marker's position.",
+        "aborts": "This segment's aborted transactions, each with its id (two halves and txn_id) and its abort "
+                  "marker's position.",
         "write_seq": "The write's sequence: per key the latest wins (key compaction).",
         "snapshot_id": "The snapshot this segment belongs to.",
         "segment_index": "The segment's place in its snapshot.",
@@ -619,12 +622,38 @@ def _described(table: str, fields) -> StructType:
 
 
 def _with_txn_id(fields) -> list[StructField]:
-    """The fields, with `txn_id` right after the two halves when the table has both."""
+    """The fields, with `txn_id` right after the two halves wherever a row or an array's elements
+    (a snapshot's aborts) have both."""
+    fields = [StructField(f.name, ArrayType(StructType(_with_txn_id(struct_elements(f).fields)), f.dataType.containsNull),
+                          f.nullable, f.metadata) if struct_elements(f) else f for f in fields]
     names = [f.name for f in fields]
     if not set(TXN_HALVES) <= set(names) or TXN_ID in names:
-        return list(fields)
+        return fields
     at = names.index(TXN_HALVES[1]) + 1
     return [*fields[:at], StructField(TXN_ID, StringType(), True), *fields[at:]]
+
+
+def struct_elements(field: StructField) -> StructType | None:
+    """The struct of an array-of-structs column's elements; None for any other column."""
+    kind = field.dataType
+    return kind.elementType if isinstance(kind, ArrayType) and isinstance(kind.elementType, StructType) else None
+
+
+def column_paths(schema: StructType) -> list[str]:
+    """Every column's name, and `column.field` for each field of an array's struct elements."""
+    paths = []
+    for f in schema.fields:
+        paths.append(f.name)
+        if struct_elements(f):
+            paths += [f"{f.name}.{inner}" for inner in struct_elements(f).fieldNames()]
+    return paths
+
+
+def txn_id_owed(path: str, paths: Iterable[str]) -> bool:
+    """Whether a table with these column paths owes `path`: a `txn_id` only beside its two halves."""
+    parent, _, leaf = path.rpartition(".")
+    prefix = f"{parent}." if parent else ""
+    return leaf != TXN_ID or {prefix + half for half in TXN_HALVES} <= set(paths)
 
 
 @dataclass(frozen=True)
@@ -736,7 +765,8 @@ TABLES: dict[str, TableSpec] = {s.name: s for s in [
 # such a table is refused until it has (`storage.warehouse.require_current_columns`).
 ADDED_COLUMNS: dict[str, tuple[str, ...]] = {
     name: tuple(c for c in ((LOSSLESS_COLUMNS if name in ENTRY_TABLES else ())
-                            + ((TXN_ID,) if spec.kind == Kind.TABLE and TXN_ID in spec.schema.fieldNames() else ())
+                            + (tuple(p for p in column_paths(spec.schema) if p.rpartition(".")[2] == TXN_ID)
+                               if spec.kind == Kind.TABLE else ())
                             + (TXN_HALVES if name == "oldest_ongoing_txn" else ())))
     for name, spec in TABLES.items()
 }

@@ -42,6 +42,7 @@ from txn_engine.core.schema import (
     ABORTED_TXNS,
     LEDGER_ENTRIES,
     LEDGER_ENTRY_COLUMNS,
+    RECOVERED_BUFFER_STATE,
     RECOVERED_BUFFER_STATE_SCHEMA,
     STABLE_POSITIONS,
     TXN_SNAPSHOT_SEGMENTS,
@@ -238,6 +239,8 @@ def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotCo
         )
     for topic in topics:
         config.segment_capacity(topic)  # a topic whose segment cannot hold one abort fails here, before any write
+    if warehouse.exists(TXN_SNAPSHOT_SEGMENTS):
+        warehouse.read(TXN_SNAPSHOT_SEGMENTS)  # an older txnlake's log is refused (`txnlake migrate`), before any write
     ids = dict(snapshot_ids or {})
     for topic in topics:
         ids.setdefault(topic, secrets.randbits(62) + 1)  # unique per snapshot; order comes from write_seq
@@ -544,7 +547,9 @@ def full_replay_states(entries: DataFrame) -> DataFrame:
 
 
 def recovery_mismatches(recovered: DataFrame, full: DataFrame) -> DataFrame:
-    """Topics whose recovered max read position or abort set differ from the full replay's."""
+    """Topics whose recovered max read position or abort set differ from the full replay's; either
+    side as stored or as computed (each abort's readable id is made the same way on both)."""
+    recovered, full = (stored_frame(RECOVERED_BUFFER_STATE, side) for side in (recovered, full))
     r = recovered.select("topic", F.struct("max_read_ledger_id", "max_read_entry_id", "aborts").alias("_r"))
     f = full.select("topic", F.struct("max_read_ledger_id", "max_read_entry_id", "aborts").alias("_f"))
     return r.join(f, "topic", "full_outer").where(~F.col("_r").eqNullSafe(F.col("_f"))).select("topic")
@@ -620,7 +625,10 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
 
 
 def read_segments(warehouse: Warehouse) -> DataFrame:
-    return warehouse.read_or_empty(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+    """The snapshot log, each abort as the engine builds it (the stored readable `txn_id` left out)."""
+    segments = warehouse.read_or_empty(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+    return segments.withColumn("aborts", F.transform("aborts", lambda a: F.struct(
+        *[a[name].alias(name) for name in ABORT_STRUCT.fieldNames()])))
 
 
 def recover_from_warehouse(warehouse: Warehouse) -> DataFrame:

@@ -30,9 +30,9 @@ from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from pyspark.sql import DataFrame
 from pyspark.sql import types as T
 
-from txn_engine.core.schema import TXN_HALVES, TXN_ID, stored_schema
+from txn_engine.core.schema import TXN_HALVES, TXN_ID, stored_schema, struct_elements
 from txn_engine.storage.arrow_frames import arrow_schema
-from txn_engine.storage.warehouse import Warehouse, require_current_columns, retry_delta_conflicts
+from txn_engine.storage.warehouse import Warehouse, delta_rs_schema, require_current_columns, retry_delta_conflicts
 
 # A write of at most this many bytes goes through the driver (collected as Arrow, committed by
 # delta-rs): a Spark Delta write or DELETE costs several Spark jobs however small the table.
@@ -173,30 +173,51 @@ def version_key(table: str) -> str:
     return f"{table}_version"
 
 
-def txn_id_array(data: pa.Table) -> pa.Array | pa.ChunkedArray:
+def txn_id_array(most: pa.Array | pa.ChunkedArray, least: pa.Array | pa.ChunkedArray) -> pa.Array | pa.ChunkedArray:
     """`schema.TXN_ID_SQL` over Arrow: "most:least", null when either half is."""
-    most, least = (pc.cast(data[c], pa.string()) for c in TXN_HALVES)
-    return pc.binary_join_element_wise(most, least, ":")
+    return pc.binary_join_element_wise(pc.cast(most, pa.string()), pc.cast(least, pa.string()), ":")
+
+
+def _elements_have_halves(kind: pa.DataType) -> bool:
+    return (pa.types.is_list(kind) and pa.types.is_struct(kind.value_type)
+            and all(kind.value_type.get_field_index(h) >= 0 for h in TXN_HALVES))
+
+
+def _elements_with_txn_id(column: pa.Array | pa.ChunkedArray, stored: pa.StructType) -> pa.Array:
+    """A list column's struct elements as `stored` has them, each `txn_id` from its halves."""
+    lists = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    values = lists.values  # `offsets` index into it, whatever slice `lists` is
+    fields = [txn_id_array(*(values.field(h) for h in TXN_HALVES)) if f.name == TXN_ID else values.field(f.name)
+              for f in stored]
+    elements = pa.StructArray.from_arrays(fields, fields=list(stored), mask=values.is_null())
+    return pa.ListArray.from_arrays(lists.offsets, elements, type=pa.list_(stored), mask=lists.is_null())
 
 
 def stored_arrow(table: str, data: pa.Table) -> pa.Table:
     """`data` as `table` stores it, as `warehouse.stored_frame` does for Spark: the table's column
-    order, each column described (field metadata `comment`), `txn_id` from the two halves."""
+    order, each column described (field metadata `comment`), `txn_id` from the two halves (in a
+    list's struct elements too)."""
     stored = stored_schema(table)
     if stored is None:
         return data
     present = set(data.column_names)
     with_halves = set(TXN_HALVES) <= present
+    target = arrow_schema(stored)
     fields, columns = [], []
     for field in stored.fields:
+        elements = struct_elements(field)
         if field.name == TXN_ID and with_halves:
-            column = txn_id_array(data)
+            column = txn_id_array(*(data[h] for h in TXN_HALVES))
+            kind, nullable = column.type, True
+        elif field.name in present and elements and TXN_ID in elements.fieldNames() \
+                and _elements_have_halves(data.schema.field(field.name).type):
+            column = _elements_with_txn_id(data[field.name], target.field(field.name).type.value_type)
+            kind, nullable = column.type, data.schema.field(field.name).nullable
         elif field.name in present:
             column = data[field.name]
+            kind, nullable = column.type, data.schema.field(field.name).nullable
         else:
             continue
-        kind = data.schema.field(field.name).type if field.name in present and field.name != TXN_ID else column.type
-        nullable = data.schema.field(field.name).nullable if field.name in present and field.name != TXN_ID else True
         fields.append(pa.field(field.name, kind, nullable, metadata=field.metadata))
         columns.append(column)
     named = set(stored.fieldNames())
@@ -231,7 +252,7 @@ class DeltaTables:
             else:
                 handle.update_incremental()
             if handle is not None:
-                require_current_columns(table, [f.name for f in handle.schema().fields], self.warehouse.path(table))
+                require_current_columns(table, delta_rs_schema(handle), self.warehouse.path(table))
             return handle
 
     def _open(self, table: str) -> DeltaTable | None:

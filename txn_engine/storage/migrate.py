@@ -11,8 +11,9 @@ finishes (every step is found from what the warehouse holds, never from a record
   The offload manifest is always copied: its `checksum` becomes hex on the way, so the form of a
   checksum follows from where the row is.
 - **Columns**: the lossless entry columns are added in Delta's log alone (empty for the rows
-  stored); `txn_id` is added to the public tables that hold the two halves, and the halves to
-  `oldest_ongoing_txn`, by one overwrite commit of the table (a crash leaves the old version whole).
+  stored); `txn_id` is added to the public tables that hold the two halves (and to the elements of
+  a snapshot's `aborts`), and the halves to `oldest_ongoing_txn`, by one overwrite commit of the
+  table (a crash leaves the old version whole).
 - **Descriptions**: each column's comment, in metadata commits; the old default lock folder
   (`_locks`) is removed.
 """
@@ -40,12 +41,13 @@ from txn_engine.core.schema import (
     TABLES,
     TXN_HALVES,
     TXN_ID,
+    column_paths,
     stored_schema,
 )
 from txn_engine.core.settings import WarehouseSettings, is_local_uri
 from txn_engine.storage.delta_io import stored_arrow
 from txn_engine.storage.s3 import arrow_filesystem
-from txn_engine.storage.warehouse import Warehouse
+from txn_engine.storage.warehouse import Warehouse, delta_rs_schema
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +146,7 @@ _TRANSFORMS: dict[str, Callable[[pa.Table], pa.Table]] = {OFFLOAD_MANIFEST: chec
 
 def _add_columns(warehouse: Warehouse, table: str, location: str) -> list[str]:
     steps = []
-    present = [f.name for f in warehouse.delta_rs_table(location).schema().fields]
+    present = column_paths(delta_rs_schema(warehouse.delta_rs_table(location)))
     if all(c in present for c in ADDED_COLUMNS.get(table, ())):
         return steps  # current: no Spark needed
     spark = warehouse.spark

@@ -27,7 +27,7 @@ from pyspark.sql.types import StructType
 from txn_engine.core.errors import TableMissingError, TxnlakeError, WarehouseMigrationError
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.locks import writer_lock
-from txn_engine.core.schema import ADDED_COLUMNS, TXN_HALVES, TXN_ID, stored_schema
+from txn_engine.core.schema import ADDED_COLUMNS, TXN_HALVES, TXN_ID, column_paths, stored_schema, struct_elements, txn_id_owed
 from txn_engine.core.settings import WarehouseSettings
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class Warehouse:
         if not self.exists(table, location):
             raise self.missing(table, location)
         frame = self.spark.read.format("delta").load(location)
-        require_current_columns(table, frame.columns, location)
+        require_current_columns(table, frame.schema, location)
         return frame
 
     def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
@@ -177,12 +177,11 @@ def _same_columns(a: StructType, b: StructType) -> bool:
     return [(f.name, f.dataType) for f in a.fields] == [(f.name, f.dataType) for f in b.fields]
 
 
-def require_current_columns(table: str, columns: list[str], location: str) -> None:
+def require_current_columns(table: str, schema: StructType, location: str) -> None:
     """Refuse a table written before columns the contract added since (`schema.ADDED_COLUMNS`):
     reading or appending it would fail deep inside a job, or drop the new columns' values."""
-    # txn_id is owed only beside the two halves it is made of.
-    owed = [c for c in ADDED_COLUMNS.get(table, ()) if c != TXN_ID or set(TXN_HALVES) <= set(columns)]
-    missing = [c for c in owed if c not in columns]
+    paths = column_paths(schema)
+    missing = [c for c in ADDED_COLUMNS.get(table, ()) if txn_id_owed(c, paths) and c not in paths]
     if missing:
         raise WarehouseMigrationError(
             f"{table} at {location} has no column(s) {', '.join(missing)}: it was written by an older txnlake. "
@@ -191,25 +190,42 @@ def require_current_columns(table: str, columns: list[str], location: str) -> No
         )
 
 
-def txn_id_column() -> Column:
-    """`schema.TXN_ID_SQL` as a Spark column: "most:least", null when either half is (CONCAT's rule)."""
-    return F.concat(F.col(TXN_HALVES[0]).cast("string"), F.lit(":"), F.col(TXN_HALVES[1]).cast("string"))
+def delta_rs_schema(handle: deltalake.DeltaTable) -> StructType:
+    """A delta-rs table's schema as Spark types (both write Delta's JSON form): no JVM."""
+    return StructType.fromJson(json.loads(handle.schema().to_json()))
+
+
+def txn_id_column(half: Callable[[str], Column] = F.col) -> Column:
+    """`schema.TXN_ID_SQL` as a Spark column: "most:least", null when either half is (CONCAT's rule);
+    `half` gives a half by name (a row's column by default, or an array element's field)."""
+    return F.concat(half(TXN_HALVES[0]).cast("string"), F.lit(":"), half(TXN_HALVES[1]).cast("string"))
+
+
+def _elements_with_txn_id(name: str, stored: StructType) -> Column:
+    """An array column's struct elements as `stored` has them, each `txn_id` from its halves."""
+    return F.transform(F.col(f"`{name}`"), lambda e: F.struct(
+        *[(txn_id_column(lambda h: e[h]) if f.name == TXN_ID else e[f.name]).alias(f.name) for f in stored.fields]))
 
 
 def stored_frame(table: str, frame: DataFrame) -> DataFrame:
     """`frame` as `table` stores it (`schema.stored_schema`): its columns in the table's order, each
     with its description (Delta's column comment), and the readable `txn_id` computed from the two
-    halves where the table has it. A column the frame lacks stays absent; one the table does not
-    name is kept last. A projection: no Spark job."""
+    halves where the table has it (in an array's elements too). A column the frame lacks stays
+    absent; one the table does not name is kept last. A projection: no Spark job."""
     stored = stored_schema(table)
     if stored is None:
         return frame
     present = set(frame.columns)
+    paths = column_paths(frame.schema)
     with_halves = set(TXN_HALVES) <= present
     columns = []
     for field in stored.fields:
+        elements = struct_elements(field)
         if field.name == TXN_ID and with_halves:
             columns.append(txn_id_column().alias(TXN_ID, metadata=field.metadata))
+        elif field.name in present and elements and TXN_ID in elements.fieldNames() \
+                and txn_id_owed(f"{field.name}.{TXN_ID}", paths):
+            columns.append(_elements_with_txn_id(field.name, elements).alias(field.name, metadata=field.metadata))
         elif field.name in present:
             columns.append(F.col(f"`{field.name}`").alias(field.name, metadata=field.metadata))
     named = set(stored.fieldNames())
