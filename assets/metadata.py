@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pyarrow as pa
+
 from dagster import MetadataValue, TableColumn, TableColumnConstraints, TableSchema
 
+from pyspark.sql import DataFrame
 from pyspark.sql.types import StructType
 
 from resources.spark import spark_startup_seconds
@@ -55,12 +58,15 @@ def column_schema(table: str, stored: StructType | None = None) -> TableSchema |
     ])
 
 
-def markdown_preview(df, limit: int = 10) -> str:
-    """The first rows of a DataFrame as a Markdown table, for the asset's metadata."""
-    rows = df.limit(limit).collect()
+def markdown_preview(df: DataFrame | pa.Table, limit: int = 10) -> str:
+    """The first rows of a DataFrame or an Arrow table as a Markdown table, for the asset's metadata."""
+    if isinstance(df, pa.Table):
+        rows, columns = [tuple(r.values()) for r in df.slice(0, limit).to_pylist()], df.column_names
+    else:
+        rows, columns = df.limit(limit).collect(), df.columns
     if not rows:
         return "(empty)"
-    header = "| " + " | ".join(df.columns) + " |"
-    rule = "| " + " | ".join("---" for _ in df.columns) + " |"
+    header = "| " + " | ".join(columns) + " |"
+    rule = "| " + " | ".join("---" for _ in columns) + " |"
     body = ["| " + " | ".join("" if v is None else str(v) for v in row) + " |" for row in rows]
     return "\n".join([header, rule, *body])

@@ -5,8 +5,9 @@ from dagster import AssetExecutionContext, AssetsDefinition, AssetSpec, Definiti
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.storage.delta_io import overwrite_small
-from txn_engine.sql.models import SqlModel, discover_models, run_model, upstream_tables
+from txn_engine.core.schema import stored_schema
+from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.sql.models import SqlModel, discover_models, run_model, run_model_in_driver, runs_in_driver, upstream_tables
 
 GROUP = "sql_models"
 
@@ -28,15 +29,21 @@ def sql_model_asset(model: SqlModel, named_views: dict[str, SqlModel]) -> Assets
     )
     def _model(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
         wh = warehouse.open(spark.session())
-        result = run_model(wh, model).cache()
-        try:
-            overwrite_small(wh, model.name, result)  # aggregates: a row per topic or ledger
-            rows = result.count()
-            preview = markdown_preview(result)
-        finally:
-            result.unpersist()
-        context.log.info(f"{model.name}: {rows} rows")
-        return MaterializeResult(metadata=table_metadata(wh, model.name, rows, preview=MetadataValue.md(preview)))
+        if runs_in_driver(wh, model):
+            table = run_model_in_driver(wh, model)
+            rows = DeltaTables(wh).overwrite(model.name, table, stored_schema(model.name))
+            preview, computed_by = markdown_preview(table), "driver"
+        else:
+            result = run_model(wh, model).cache()
+            try:
+                overwrite_small(wh, model.name, result)  # aggregates: a row per topic or ledger
+                rows = result.count()
+                preview, computed_by = markdown_preview(result), "spark"
+            finally:
+                result.unpersist()
+        context.log.info(f"{model.name}: {rows} rows (computed by {computed_by})")
+        return MaterializeResult(metadata=table_metadata(wh, model.name, rows, preview=MetadataValue.md(preview),
+                                                         computed_by=computed_by))
 
     return _model
 

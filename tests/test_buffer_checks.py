@@ -123,3 +123,33 @@ def test_the_sequence_check_reads_only_the_ledgers_whose_runs_overlap_the_runs_s
     assert ledgers_read() == [3, 5]
     broken = committed_once(warehouse)
     assert (broken.duplicate_sequences, broken.duplicate_positions, broken.entries_of_uncommitted_txns) == (1, 0, 0)
+
+
+def test_whole_table_checks_find_the_same_in_the_driver_and_on_spark(spark, warehouse):
+    """After a full run the checks read the whole tables: by delta-rs while they fit the driver,
+    on Spark when told (`TXNLAKE_COMPUTE=spark`) or beyond the bound; both count the same breakage."""
+    from txn_engine.core.settings import WarehouseSettings
+    from txn_engine.storage.warehouse import Warehouse
+
+    append(warehouse, spark, FIRST + LATER)
+    assert refresh(warehouse).full and last_run_ledgers(warehouse) is None
+    tables = DeltaTables(warehouse)
+    old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
+    again = with_values(old_row, visible_ledger_id=3)
+    aborted = with_values(again, txn_most_bits=T2[0], txn_least_bits=T2[1], entry_id=9, sequence_id=None)
+    marker = with_values(aborted, entry_type="COMMIT", txn_least_bits=T1[1], entry_id=10)
+    tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
+    fake = with_values(rows_of(warehouse, TXN_MARKERS, txn_least_bits=T1[1]), outcome="ABORT", topic="b", ledger_id=4)
+    tables.append(TXN_MARKERS, TXN_MARKERS_SCHEMA, fake)
+
+    root = warehouse.settings.warehouse
+    on_spark = Warehouse(spark, WarehouseSettings(warehouse=root, compute="spark"))
+    beyond_the_bound = Warehouse(spark, WarehouseSettings(warehouse=root, driver_full_run_max_bytes=1))
+    counts = []
+    for wh in (warehouse, on_spark, beyond_the_bound):
+        once, markers = committed_once(wh), markers_match(wh)
+        assert once.checked == markers.checked == "whole table"
+        counts.append(((once.duplicate_positions, once.duplicate_sequences, once.entries_of_uncommitted_txns, once.markers),
+                       (markers.markers_without_entry, markers.txns_with_split_outcome)))
+    assert counts[0] == ((1, 1, 1, 1), (1, [f"{T1[0]}:{T1[1]}"])), counts[0]
+    assert counts[1] == counts[2] == counts[0]

@@ -102,20 +102,44 @@ def txnlake_session(commands: list[list[str]], env: dict[str, str]) -> dict[str,
     return {command[0]: output for command, output in zip(commands, outputs)}
 
 
-def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str]) -> str:
+def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str], session=None) -> str:
     """ingest, run, snapshot, offload, retention (all but each topic's newest ledger), read, into the
-    warehouse `extra_env` names (default: one of its own under `folder`); the read's output."""
+    warehouse `extra_env` names (default: one of its own under `folder`), in one fresh process or
+    through `session` (`in_this_process`); the read's output."""
     from pipelines.cli import DAGSTER_YAML
 
     home = folder / "dagster_home"  # as the CLI prepares one (tests/test_cli.py): its runs and partitions only
     home.mkdir(parents=True)
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
     env = cli_env({"TXNLAKE_WAREHOUSE": str(folder / "warehouse"), "DAGSTER_HOME": str(home), **extra_env})
-    out = txnlake_session([["ingest", log], ["run"], ["snapshot"], ["offload"], ["retention", "--keep-ledgers", "1"],
-                           ["read", topic, "--max", "50"]], env)
+    out = (session or txnlake_session)([["ingest", log], ["run"], ["snapshot"], ["offload"],
+                                        ["retention", "--keep-ledgers", "1"], ["read", topic, "--max", "50"]], env)
     assert "FAILED" not in out["offload"] and "offloaded 0 ledger(s)" not in out["offload"], out["offload"]
     assert "nothing to do" not in out["retention"] and "deleted 0 ledger(s)" not in out["retention"], out["retention"]
     return out["read"]
+
+
+def in_this_process(monkeypatch, capsys):
+    """A `txnlake_session` in the test's own process and SparkSession (local mode, already warm):
+    `pipelines.cli.main` per command, in the session's environment."""
+    from pipelines.cli import main
+
+    def session(commands: list[list[str]], env: dict[str, str]) -> dict[str, str]:
+        for name in CLEARED_ENV:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            if os.environ.get(name) != value:
+                monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        outputs = {}
+        for args in commands:
+            code = main(args)
+            out, err = capsys.readouterr()
+            assert code == 0, f"`txnlake {' '.join(args)}` exited {code}:\n{out[-4000:]}\n{err[-4000:]}"
+            outputs[args[0]] = out
+        return outputs
+
+    return session
 
 
 def computed_by(folder: Path) -> set[str]:
@@ -160,7 +184,8 @@ def _sortable(value) -> tuple:
     return (False, repr(value) if isinstance(value, (list, dict)) else value)
 
 
-def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster, s3_store, tmp_path):
+def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster, s3_store, spark, tmp_path, monkeypatch,
+                                                                   capsys):
     log = tmp_path / "log.jsonl"
     txnlake(["generate", "--entries", "3000", "--seed", "11", str(log)], cli_env({"DAGSTER_HOME": str(tmp_path)}))
     topic = min(json.loads(line)["topic"] for line in log.read_text().splitlines())
@@ -171,7 +196,8 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
         return {a["id"]: a for a in spark_cluster.state()["completedapps"]}
 
     before = apps()
-    local_read = run_cli_end_to_end(tmp_path / "local", str(log), topic, {})
+    # Local mode in this process's warm session; the cluster's commands in a process of their own.
+    local_read = run_cli_end_to_end(tmp_path / "local", str(log), topic, {}, in_this_process(monkeypatch, capsys))
     assert apps() == before, "local mode must not touch the cluster"
     # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
     # workers), not in the driver, which this small log would otherwise take.

@@ -8,7 +8,7 @@ from tests.rows import entry, write_jsonl
 from txn_engine.core.errors import InputFileError, TableMissingError
 from txn_engine.core.schema import TABLES
 from txn_engine.log.ingest import ingest_files
-from txn_engine.sql.models import discover_models, known_tables, load_model, referenced_tables, run_model
+from txn_engine.sql.models import discover_models, known_tables, load_model, referenced_tables, run_model, run_model_in_driver
 
 
 @pytest.mark.parametrize(
@@ -117,27 +117,6 @@ def _comparable(value):
     return value
 
 
-def _duckdb_over(warehouse, model, views):
-    """A DuckDB connection where the model's tables are the Delta tables (delta-rs's Arrow datasets)
-    and the views it reads are the views' SQL, as `run_model` sees them."""
-    import duckdb
-    from deltalake import DeltaTable
-
-    con = duckdb.connect()
-    con.execute("SET TimeZone = 'UTC'")
-
-    def register(m):
-        for table in m.reads:
-            if table in views:
-                register(views[table])
-                con.execute(f"CREATE OR REPLACE VIEW {table} AS {views[table].sql}")
-            else:
-                con.register(table, DeltaTable(warehouse.path(table)).to_pyarrow_dataset())
-
-    register(model)
-    return con
-
-
 def test_every_shipped_model_gives_the_same_rows_in_spark_and_duckdb(prepared, monkeypatch):
     """The models are portable SQL: DuckDB, reading the same Delta tables through delta-rs's Arrow
     datasets, returns what Spark does, row for row and in order."""
@@ -153,8 +132,7 @@ def test_every_shipped_model_gives_the_same_rows_in_spark_and_duckdb(prepared, m
         assert [(f.name, f.dataType) for f in result.schema.fields] == [
             (f.name, f.dataType) for f in TABLES[model.name].schema.fields], model.name
         spark_rows = [tuple(_comparable(v) for v in row) for row in result.collect()]
-        con = _duckdb_over(warehouse, model, views)
-        duck_rows = [tuple(_comparable(v) for v in row) for row in con.execute(model.sql).fetchall()]
+        duck_rows = [tuple(_comparable(v) for v in row.values()) for row in run_model_in_driver(warehouse, model).to_pylist()]
         assert duck_rows == spark_rows, f"{model.name}: DuckDB and Spark differ"
         compared[model.name] = len(spark_rows)
         if model.name == "ledger_sizes":  # UTF-8 bytes of the keys (1 + 2 + 6 + 4) and payloads (0 + 1 + 2 + 3 + 4)
@@ -168,3 +146,39 @@ def test_every_shipped_model_gives_the_same_rows_in_spark_and_duckdb(prepared, m
     assert 0 < view.count() < committed.count()
     assert sorted(view.collect()) == sorted(committed.where("in_stable_prefix").drop("in_stable_prefix").collect())
     assert view.columns == [c for c in committed.columns if c != "in_stable_prefix"]
+
+
+def test_the_model_assets_run_in_the_driver_on_small_tables_and_on_spark_when_told(prepared, dagster_resources, monkeypatch,
+                                                                                    tmp_path):
+    """`auto` runs the shipped models with DuckDB in the driver on tables this small, and a model
+    of one's own on Spark; `TXNLAKE_COMPUTE=spark` runs every one on Spark. The tables are equal."""
+    from dagster import AssetSelection, DagsterInstance, materialize
+
+    from assets.sql_models import sql_model_assets
+    from txn_engine.storage.delta_io import DeltaTables
+
+    warehouse = prepared("sql-models-offloaded", _offloaded_history)
+    shipped = [a for a in sql_model_assets() if hasattr(a, "op")]
+
+    def materialized(compute):
+        monkeypatch.setenv("TXNLAKE_COMPUTE", compute)
+        result = materialize(shipped, selection=AssetSelection.all(), resources=dagster_resources,
+                             instance=DagsterInstance.ephemeral())
+        assert result.success
+        events = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
+        by = {m.asset_key.path[-1]: m.metadata["computed_by"].value for m in events}
+        tables = {name: sorted(map(repr, DeltaTables(warehouse).read(name, TABLES[name].schema).to_pylist())) for name in by}
+        return by, tables
+
+    on_driver, driver_tables = materialized("auto")
+    assert set(on_driver.values()) == {"driver"} and set(on_driver) == {"abort_rates", "ledger_sizes", "oldest_ongoing_txn",
+                                                                       "tier_sizes", "topic_read_lag"}
+    on_spark, spark_tables = materialized("spark")
+    assert set(on_spark.values()) == {"spark"}
+    assert spark_tables == driver_tables and all(driver_tables.values())
+
+    from txn_engine.sql.models import runs_in_driver
+
+    assert warehouse.settings.compute == "auto"
+    assert runs_in_driver(warehouse, next(m for m in discover_models() if m.name == "abort_rates"))
+    assert not runs_in_driver(warehouse, _model(tmp_path, "mine", "SELECT topic FROM ledgers"))  # undeclared: Spark's SQL

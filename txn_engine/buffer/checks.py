@@ -9,7 +9,8 @@ Three invariants (the assets in `assets/transaction_buffer/tables.py` report the
 
 Which rows: after an incremental run (its ledgers recorded in its last state commit,
 `RUN_LEDGERS_KEY`) the checks read by delta-rs its ledgers' rows and the rows sharing a key with
-them, so a check costs in proportion to the run; after a full run, the whole tables on Spark
+them, so a check costs in proportion to the run; after a full run, the whole tables, by delta-rs
+too while they fit the driver (`WarehouseSettings.whole_tables_in_driver`), else on Spark
 (docs/transaction-buffer.md, "Asset checks").
 """
 
@@ -66,7 +67,9 @@ class StableMoves:
     moved_back: list[str] = field(default_factory=list)  # (topic, before ledger, before entry, now ledger, now entry)
 
 
-def _scope_text(ledgers: list[int]) -> str:
+def _scope_text(ledgers: list[int] | None) -> str:
+    if ledgers is None:
+        return "whole table"
     shown = ", ".join(map(str, ledgers[:20])) + (", ..." if len(ledgers) > 20 else "")
     return f"rows of the {len(ledgers)} ledger(s) the last run rewrote: {shown}"
 
@@ -107,13 +110,17 @@ def _ledgers_sharing_sequences(tables: DeltaTables, sequenced: pa.Table) -> pa.A
     return pa.concat_arrays([own, overlapping["ledger_id"].combine_chunks()])
 
 
+def _whole_in_driver(wh: Warehouse, tables: DeltaTables, *names: str) -> bool:
+    return wh.settings.whole_tables_in_driver(sum(tables.stored_bytes(t) for t in names))
+
+
 def committed_once(wh: Warehouse) -> CommittedOnce:
     ledgers = last_run_ledgers(wh)
-    if ledgers is None:
-        return _committed_once_whole(wh)
     tables = DeltaTables(wh)
+    if ledgers is None and not _whole_in_driver(wh, tables, COMMITTED_ENTRIES, TXN_MARKERS):
+        return _committed_once_whole(wh)
     committed = tables.dataset(COMMITTED_ENTRIES)
-    rows = committed.to_table(filter=_isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
+    rows = committed.to_table(filter=None if ledgers is None else _isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
                               columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id",
                                                    "producer_epoch", "sequence_id"])
     txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
@@ -150,10 +157,11 @@ def _committed_once_whole(wh: Warehouse) -> CommittedOnce:
 
 def markers_match(wh: Warehouse) -> MarkersMatch:
     ledgers = last_run_ledgers(wh)
-    if ledgers is None:
-        return _markers_match_whole(wh)
     tables = DeltaTables(wh)
-    markers = tables.dataset(TXN_MARKERS).to_table(filter=_isin("ledger_id", pa.array(ledgers, pa.int64())))
+    if ledgers is None and not _whole_in_driver(wh, tables, TXN_MARKERS, LEDGER_ENTRIES):
+        return _markers_match_whole(wh)
+    markers = tables.dataset(TXN_MARKERS).to_table(
+        filter=None if ledgers is None else _isin("ledger_id", pa.array(ledgers, pa.int64())))
     keys = POSITIONS + ["outcome", "txn_most_bits", "txn_least_bits"]
     entries = tables.dataset(LEDGER_ENTRIES).to_table(
         filter=ledger_filter(markers["ledger_id"]), columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits"]

@@ -177,8 +177,8 @@ class WarehouseSettings(BaseSettings):
 
     compute: str = Field(
         default="auto",
-        description="Where transaction-buffer runs compute: auto (the driver while the entries read fit the bounds "
-        "below, else Spark), driver, or spark.",
+        description="Where transaction-buffer runs, their whole-table checks and the shipped SQL models compute: "
+        "auto (the driver while what they read fits the bounds below, else Spark), driver, or spark.",
     )
     driver_scope_max_bytes: int = Field(
         default=DRIVER_SCOPE_MAX_BYTES, description="auto: incremental runs over at most this many entry bytes run in the driver."
@@ -246,6 +246,11 @@ class WarehouseSettings(BaseSettings):
     @property
     def root(self) -> str:
         return self.warehouse
+
+    def whole_tables_in_driver(self, stored_bytes: int) -> bool:
+        """Whether work over whole tables of `stored_bytes` (their Delta files) runs in the driver:
+        `compute` says so, or `auto` and they fit the full-run bound."""
+        return self.compute == "driver" or (self.compute == "auto" and stored_bytes <= self.driver_full_run_max_bytes)
 
     def table_path(self, table: str) -> str:
         """Where `table` lives, by its place (`schema.TABLES`): the analyst's tables one folder each

@@ -3,7 +3,8 @@
 A model's upstream tables are found from its SQL (sqlglot's Spark parser: every table it reads,
 minus its own CTEs), never listed by hand. Running a model registers each table it reads as a
 temporary view of the Delta table, runs the query with Spark SQL, and (for the asset) writes the
-result as a Delta table named after the file.
+result as a Delta table named after the file. The shipped models are portable SQL: on small tables
+the asset runs them with DuckDB in the driver instead (`runs_in_driver`), over the same tables.
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from pathlib import Path
 
 import sqlglot
 from sqlglot import exp
+import duckdb
+import pyarrow as pa
 from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame
+from pyspark.sql.types import StructType
 
 from txn_engine.core import schema
 from txn_engine.core.errors import InputFileError, TableMissingError
+from txn_engine.storage.arrow_frames import arrow_schema
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.storage.warehouse import Warehouse
 
 DEFAULT_SQL_DIR = Path(__file__).resolve().parents[2] / "dbt-free-sql"
@@ -120,34 +126,43 @@ EMPTY_UNTIL_WRITTEN = {
 }
 
 
-def register_reads(warehouse: Warehouse, model: SqlModel, named_views: dict[str, SqlModel] | None = None) -> None:
-    """Make each table the model reads a temporary view of its Delta table, and each view it reads
-    the view's query (over its own tables, registered the same way)."""
-    named_views = views() if named_views is None else named_views
+def _sources(warehouse: Warehouse, model: SqlModel, named_views: dict[str, SqlModel]) -> list[tuple[str, object]]:
+    """What each table the model reads is, a view's own reads before the view: (name, the view's
+    model | the schema of a table read as empty until written | the Delta table's location)."""
+    found: list[tuple[str, object]] = []
     for table in model.reads:
-        if table in named_views:
-            view = named_views[table]
-            register_reads(warehouse, view, named_views)
-            warehouse.spark.sql(view.sql).createOrReplaceTempView(table)
-            continue
         location = warehouse.path(table)
-        if table in EMPTY_UNTIL_WRITTEN:
-            warehouse.read_or_empty(table, EMPTY_UNTIL_WRITTEN[table], location).createOrReplaceTempView(table)
-            continue
-        if warehouse.exists(table, location):
-            warehouse.spark.read.format("delta").load(location).createOrReplaceTempView(table)
-            continue
-        known = known_tables()
-        if table in known:
+        if table in named_views:
+            found += _sources(warehouse, named_views[table], named_views)
+            found.append((table, named_views[table]))
+        elif table in EMPTY_UNTIL_WRITTEN:
+            found.append((table, EMPTY_UNTIL_WRITTEN[table]))
+        elif warehouse.exists(table, location):
+            found.append((table, location))
+        elif table in known_tables():
             spec = schema.table_spec(table)
             raise TableMissingError(
                 f"SQL model {model.name} reads table {table}, which does not exist yet at "
                 f"{location}; write it first ({spec.written_by if spec else '`txnlake run`'})."
             )
-        raise InputFileError(
-            f"SQL model {model.name} ({model.path}) reads table {table}, which is not a txnlake table "
-            f"(nor a Delta table at {location}). Fix the table name; the tables are: {', '.join(known)}."
-        )
+        else:
+            raise InputFileError(
+                f"SQL model {model.name} ({model.path}) reads table {table}, which is not a txnlake table "
+                f"(nor a Delta table at {location}). Fix the table name; the tables are: {', '.join(known_tables())}."
+            )
+    return found
+
+
+def register_reads(warehouse: Warehouse, model: SqlModel, named_views: dict[str, SqlModel] | None = None) -> None:
+    """Make each table the model reads a temporary view of its Delta table, and each view it reads
+    the view's query (over its own tables, registered the same way)."""
+    for table, source in _sources(warehouse, model, views() if named_views is None else named_views):
+        if isinstance(source, SqlModel):
+            warehouse.spark.sql(source.sql).createOrReplaceTempView(table)
+        elif isinstance(source, StructType):
+            warehouse.read_or_empty(table, source).createOrReplaceTempView(table)
+        else:
+            warehouse.spark.read.format("delta").load(source).createOrReplaceTempView(table)
 
 
 def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
@@ -162,3 +177,36 @@ def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:
             f"SQL model {model.name} ({model.path}) does not run: {str(exc).splitlines()[0].rstrip(';')}. "
             f"Fix the SQL in {model.path} (the contract tables' columns: txn_engine/core/schema.py)."
         ) from None
+
+
+def runs_in_driver(warehouse: Warehouse, model: SqlModel) -> bool:
+    """Where the model runs: a shipped model (its columns declared in `schema.TABLES`, its SQL
+    portable) in the driver with DuckDB when `TXNLAKE_COMPUTE` is `driver`, or `auto` and the Delta
+    files it reads fit the driver's full-run bound; on Spark otherwise, and always for a model of
+    your own (Spark's SQL)."""
+    if schema.table_spec(model.name) is None or warehouse.settings.compute == "spark":
+        return False
+    tables = DeltaTables(warehouse)
+    read = {t for t, source in _sources(warehouse, model, views()) if not isinstance(source, SqlModel)}
+    return warehouse.settings.whole_tables_in_driver(sum(tables.stored_bytes(t) for t in read))
+
+
+def run_model_in_driver(warehouse: Warehouse, model: SqlModel) -> pa.Table:
+    """The shipped model's result computed by DuckDB in this process over delta-rs's Arrow datasets
+    of the same tables `run_model` reads (no JVM), in the columns and types its spec declares."""
+    declared = schema.table_spec(model.name)
+    if declared is None:
+        raise InputFileError(f"SQL model {model.name} declares no columns in txn_engine/core/schema.py: run it on Spark")
+    con = duckdb.connect()
+    con.execute("SET TimeZone = 'UTC'")  # Delta's timestamps are instants; DuckDB shows them in UTC
+    tables = DeltaTables(warehouse)
+    for table, source in _sources(warehouse, model, views()):
+        if isinstance(source, SqlModel):
+            con.execute(f"CREATE OR REPLACE VIEW {table} AS {source.sql}")
+        elif isinstance(source, StructType) and not tables.exists(table):
+            con.register(table, arrow_schema(source).empty_table())
+        else:
+            con.register(table, tables.dataset(table))
+    target = arrow_schema(declared.schema)
+    result = con.sql(model.sql).to_arrow_table()
+    return result.rename_columns(target.names).cast(target)

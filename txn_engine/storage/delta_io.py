@@ -407,6 +407,13 @@ class DeltaTables:
         handle = self._handle(table)
         return 0 if handle is None else len(handle.file_uris())
 
+    def stored_bytes(self, table: str) -> int:
+        """The size of the table's active data files, from its log (0 when it does not exist)."""
+        handle = self._handle(table)
+        if handle is None:
+            return 0
+        return pc.sum(pa.table(handle.get_add_actions(flatten=True)).column("size_bytes")).as_py() or 0
+
     def bytes_per_row(self, table: str) -> float:
         """The table's stored bytes per row, from its files' sizes and `numRecords` (0 when empty)."""
         handle = self._handle(table)
