@@ -36,7 +36,8 @@ def sql_model_asset(model: SqlModel, named_views: dict[str, SqlModel]) -> Assets
         else:
             result = run_model(wh, model).cache()
             try:
-                overwrite_small(wh, model.name, result)  # aggregates: a row per topic or ledger
+                # Aggregates: a row per topic or ledger. In the declared columns, as the driver writes them.
+                overwrite_small(wh, model.name, result, schema=stored_schema(model.name))
                 rows = result.count()
                 preview, computed_by = markdown_preview(result), "spark"
             finally:

@@ -99,7 +99,7 @@ def txnlake_session(commands: list[list[str]], env: dict[str, str]) -> dict[str,
     assert done.returncode == 0, failure([c[0] for c in commands], env, done)
     outputs = done.stdout.split("\n@@ txnlake ")[1:]
     assert len(outputs) == len(commands), done.stdout[-4000:]
-    return {command[0]: output for command, output in zip(commands, outputs)}
+    return {command[0]: output.split("\n", 1)[1] for command, output in zip(commands, outputs)}  # after its marker line
 
 
 def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str], session=None) -> str:

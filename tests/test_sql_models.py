@@ -167,7 +167,8 @@ def test_the_model_assets_run_in_the_driver_on_small_tables_and_on_spark_when_to
         assert result.success
         events = [e.event_specific_data.materialization for e in result.get_asset_materialization_events()]
         by = {m.asset_key.path[-1]: m.metadata["computed_by"].value for m in events}
-        tables = {name: sorted(map(repr, DeltaTables(warehouse).read(name, TABLES[name].schema).to_pylist())) for name in by}
+        tables = {name: (DeltaTables(warehouse).schema(name),
+                         sorted(map(repr, DeltaTables(warehouse).read(name, TABLES[name].schema).to_pylist()))) for name in by}
         return by, tables
 
     on_driver, driver_tables = materialized("auto")
@@ -175,7 +176,7 @@ def test_the_model_assets_run_in_the_driver_on_small_tables_and_on_spark_when_to
                                                                        "tier_sizes", "topic_read_lag"}
     on_spark, spark_tables = materialized("spark")
     assert set(on_spark.values()) == {"spark"}
-    assert spark_tables == driver_tables and all(driver_tables.values())
+    assert spark_tables == driver_tables and all(rows for _, rows in driver_tables.values())  # columns, nullability, rows
 
     from txn_engine.sql.models import runs_in_driver
 

@@ -114,83 +114,130 @@ def _whole_in_driver(wh: Warehouse, tables: DeltaTables, *names: str) -> bool:
     return wh.settings.whole_tables_in_driver(sum(tables.stored_bytes(t) for t in names))
 
 
-def committed_once(wh: Warehouse) -> CommittedOnce:
-    ledgers = last_run_ledgers(wh)
-    tables = DeltaTables(wh)
-    if ledgers is None and not _whole_in_driver(wh, tables, COMMITTED_ENTRIES, TXN_MARKERS):
-        return _committed_once_whole(wh)
-    committed = tables.dataset(COMMITTED_ENTRIES)
-    rows = committed.to_table(filter=None if ledgers is None else _isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
-                              columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id",
-                                                   "producer_epoch", "sequence_id"])
+COMMITTED_COLUMNS = POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id"]
+COUNTS = ("entries_of_uncommitted_txns", "duplicate_positions", "duplicate_sequences", "markers")
+
+
+def committed_once_counts(rows: pa.Table, commits: pa.Table, positions: pa.Table | None = None,
+                          sequences: pa.Table | None = None) -> CommittedOnce:
+    """The rule, over `committed_entries` rows (`COMMITTED_COLUMNS`) and the COMMIT markers of their
+    transactions (`TXN_KEY`): rows of transactions without one, markers, and the positions and
+    sequences of `rows` that occur twice in `positions` / `sequences` (every row sharing a key with
+    them, epoch as `_null_epoch_as_value`; `rows`' own by default)."""
     txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
-    commits = scan(tables.dataset(TXN_MARKERS), _isin("txn_least_bits", txn_rows["txn_least_bits"]), TXN_KEY,
-                   on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
-    # The keys that span ledgers: every row of the table that shares one with the run's rows.
-    positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
     sequenced = _null_epoch_as_value(rows.filter(has_sequence(rows)))
-    sequences = _null_epoch_as_value(committed.to_table(
-        filter=ledger_filter(_ledgers_sharing_sequences(tables, sequenced)) & _isin("producer_id", sequenced["producer_id"])
-        & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
+    positions = rows.select(POSITIONS) if positions is None else positions
+    sequences = sequenced.select(SEQUENCE_KEY) if sequences is None else sequences
     return CommittedOnce(
-        entries_of_uncommitted_txns=txn_rows.select(TXN_KEY).join(commits, TXN_KEY, join_type="left anti").num_rows,
+        entries_of_uncommitted_txns=txn_rows.select(TXN_KEY).join(commits.select(TXN_KEY), TXN_KEY,
+                                                                  join_type="left anti").num_rows,
         duplicate_positions=_repeated(positions, POSITIONS).join(rows.select(POSITIONS), POSITIONS, join_type="left semi").num_rows,
         duplicate_sequences=_repeated(sequences, SEQUENCE_KEY).join(sequenced.select(SEQUENCE_KEY), SEQUENCE_KEY,
                                                                 join_type="left semi").num_rows,
         markers=rows.filter(pc.not_equal(rows["entry_type"], EntryType.DATA.value)).num_rows,
-        checked=_scope_text(ledgers),
     )
 
 
-def _committed_once_whole(wh: Warehouse) -> CommittedOnce:
-    committed = wh.read(COMMITTED_ENTRIES)
+def topic_committed_once(rows: pa.Table, commits: pa.Table) -> pa.Table:
+    """`committed_once_counts` of one topic's rows, as Spark's cogrouped Arrow function."""
+    counts = committed_once_counts(rows, commits)
+    return pa.table({name: pa.array([getattr(counts, name)], pa.int64()) for name in COUNTS})
+
+
+def committed_once(wh: Warehouse) -> CommittedOnce:
+    ledgers = last_run_ledgers(wh)
+    tables = DeltaTables(wh)
+    if ledgers is None and not _whole_in_driver(wh, tables, COMMITTED_ENTRIES, TXN_MARKERS):
+        return _committed_once_on_spark(wh)
+    committed = tables.dataset(COMMITTED_ENTRIES)
+    rows = committed.to_table(filter=None if ledgers is None else _isin("visible_ledger_id", pa.array(ledgers, pa.int64())),
+                              columns=COMMITTED_COLUMNS)
+    txn_rows = rows.filter(pc.is_valid(rows["txn_least_bits"]))
+    commits = scan(tables.dataset(TXN_MARKERS), _isin("txn_least_bits", txn_rows["txn_least_bits"]), TXN_KEY,
+                   on_rows=pc.field("outcome") == EntryType.COMMIT.value, on_rows_columns=["outcome"])
+    if ledgers is None:
+        result = committed_once_counts(rows, commits)
+    else:
+        # The keys that span ledgers: every row of the table that shares one with the run's rows.
+        positions = committed.to_table(filter=_isin("ledger_id", rows["ledger_id"]), columns=POSITIONS)
+        sequenced = _null_epoch_as_value(rows.filter(has_sequence(rows)))
+        sequences = _null_epoch_as_value(committed.to_table(
+            filter=ledger_filter(_ledgers_sharing_sequences(tables, sequenced)) & _isin("producer_id", sequenced["producer_id"])
+            & pc.field("sequence_id").is_valid(), columns=SEQUENCE_KEY))
+        result = committed_once_counts(rows, commits, positions, sequences)
+    result.checked = _scope_text(ledgers)
+    return result
+
+
+def _committed_once_on_spark(wh: Warehouse) -> CommittedOnce:
+    """The whole tables' `committed_once_counts`, a topic per Arrow call (every key holds the topic)."""
+    committed = wh.read(COMMITTED_ENTRIES).select(*COMMITTED_COLUMNS)
     commits = wh.read(TXN_MARKERS).where(F.col("outcome") == EntryType.COMMIT.value).select(*TXN_KEY)
-    txn_rows = committed.where(F.col("txn_most_bits").isNotNull())
-    sequenced = committed.where(F.col("producer_id").isNotNull() & F.col("sequence_id").isNotNull())
-    return CommittedOnce(
-        entries_of_uncommitted_txns=txn_rows.join(commits, TXN_KEY, "left_anti").count(),
-        duplicate_positions=committed.groupBy(*POSITIONS).count().where("count > 1").count(),
-        duplicate_sequences=sequenced.groupBy(*SEQUENCE_KEY).count().where("count > 1").count(),
-        markers=committed.where(F.col("entry_type") != EntryType.DATA.value).count(),
-    )
+    counts = committed.groupBy("topic").cogroup(commits.groupBy("topic")).applyInArrow(
+        topic_committed_once, ", ".join(f"{name} long" for name in COUNTS))
+    totals = counts.agg(*[F.coalesce(F.sum(name), F.lit(0)).alias(name) for name in COUNTS]).first()
+    return CommittedOnce(**{name: int(totals[name]) for name in COUNTS})
+
+
+MARKER_KEYS = POSITIONS + ["outcome", "txn_most_bits", "txn_least_bits"]
+TXN_ID_HALVES = ["txn_most_bits", "txn_least_bits"]
+
+
+def unmatched_markers(markers: pa.Table, entries: pa.Table) -> pa.Table:
+    """The `txn_markers` rows no marker entry of `entries` (`ledger_entries`: positions,
+    entry_type and the two halves) backs with the same transaction and outcome."""
+    backing = entries.select(POSITIONS + ["entry_type", *TXN_ID_HALVES]).rename_columns(MARKER_KEYS)
+    return markers.select(MARKER_KEYS).join(backing, MARKER_KEYS, join_type="left anti")
+
+
+def split_outcomes(markers: pa.Table) -> pa.Table:
+    """The transactions (two halves) whose `txn_markers` rows (any topics) hold more than one outcome."""
+    outcomes = markers.group_by([*TXN_ID_HALVES, "outcome"], use_threads=False).aggregate([]).group_by(
+        TXN_ID_HALVES, use_threads=False).aggregate([([], "count_all")])
+    return outcomes.filter(pc.greater(outcomes["count_all"], 1)).select(TXN_ID_HALVES)
+
+
+def topic_unmatched_markers(markers: pa.Table, entries: pa.Table) -> pa.Table:
+    """`unmatched_markers` of one topic, counted: Spark's cogrouped Arrow function."""
+    return pa.table({"unmatched": pa.array([unmatched_markers(markers, entries).num_rows], pa.int64())})
+
+
+def _split_txn_ids(split: pa.Table) -> list[str]:
+    split = split.sort_by([(c, "ascending") for c in TXN_ID_HALVES]).slice(0, 20)
+    return [f"{m}:{l}" for m, l in zip(split["txn_most_bits"].to_pylist(), split["txn_least_bits"].to_pylist())]
 
 
 def markers_match(wh: Warehouse) -> MarkersMatch:
     ledgers = last_run_ledgers(wh)
     tables = DeltaTables(wh)
     if ledgers is None and not _whole_in_driver(wh, tables, TXN_MARKERS, LEDGER_ENTRIES):
-        return _markers_match_whole(wh)
+        return _markers_match_on_spark(wh)
     markers = tables.dataset(TXN_MARKERS).to_table(
         filter=None if ledgers is None else _isin("ledger_id", pa.array(ledgers, pa.int64())))
-    keys = POSITIONS + ["outcome", "txn_most_bits", "txn_least_bits"]
     entries = tables.dataset(LEDGER_ENTRIES).to_table(
-        filter=ledger_filter(markers["ledger_id"]), columns=POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits"]
-    ).rename_columns(keys)
-    unmatched = markers.select(keys).join(entries, keys, join_type="left anti").num_rows
-    theirs = tables.dataset(TXN_MARKERS).to_table(filter=_isin("txn_least_bits", markers["txn_least_bits"]),
-                                                  columns=["txn_most_bits", "txn_least_bits", "outcome"])
-    outcomes = theirs.group_by(["txn_most_bits", "txn_least_bits", "outcome"], use_threads=False).aggregate([]).group_by(
-        ["txn_most_bits", "txn_least_bits"], use_threads=False).aggregate([([], "count_all")])
-    split = outcomes.filter(pc.greater(outcomes["count_all"], 1)).join(
-        markers.select(["txn_most_bits", "txn_least_bits"]), ["txn_most_bits", "txn_least_bits"], join_type="left semi")
-    split = split.sort_by([("txn_most_bits", "ascending"), ("txn_least_bits", "ascending")]).slice(0, 20)
-    return MarkersMatch(markers_without_entry=unmatched,
-                        txns_with_split_outcome=[f"{m}:{l}" for m, l in zip(split["txn_most_bits"].to_pylist(),
-                                                                             split["txn_least_bits"].to_pylist())],
-                        checked=_scope_text(ledgers))
+        filter=ledger_filter(markers["ledger_id"]), columns=POSITIONS + ["entry_type", *TXN_ID_HALVES])
+    theirs = markers if ledgers is None else tables.dataset(TXN_MARKERS).to_table(
+        filter=_isin("txn_least_bits", markers["txn_least_bits"]), columns=[*TXN_ID_HALVES, "outcome"])
+    split = split_outcomes(theirs).join(markers.select(TXN_ID_HALVES), TXN_ID_HALVES, join_type="left semi")
+    return MarkersMatch(markers_without_entry=unmatched_markers(markers, entries).num_rows,
+                        txns_with_split_outcome=_split_txn_ids(split), checked=_scope_text(ledgers))
 
 
-def _markers_match_whole(wh: Warehouse) -> MarkersMatch:
-    markers = wh.read(TXN_MARKERS)
-    entries = wh.read(LEDGER_ENTRIES).select(*POSITIONS, F.col("entry_type").alias("outcome"), "txn_most_bits", "txn_least_bits")
-    unmatched = markers.join(entries, [*POSITIONS, "outcome", "txn_most_bits", "txn_least_bits"], "left_anti").count()
-    split = (
-        markers.groupBy("txn_most_bits", "txn_least_bits")
-        .agg(F.countDistinct("outcome").alias("outcomes"))
-        .where("outcomes > 1")
-    )
-    return MarkersMatch(markers_without_entry=unmatched,
-                        txns_with_split_outcome=[f"{r.txn_most_bits}:{r.txn_least_bits}" for r in split.limit(20).collect()])
+def _markers_match_on_spark(wh: Warehouse) -> MarkersMatch:
+    """The whole tables' `markers_match`: the markers a topic per Arrow call, cogrouped with the
+    topic's marker entries; the outcomes of a transaction across topics a bucket of transactions
+    per call (by a hash of the id: a transaction's rows in one bucket)."""
+    markers = wh.read(TXN_MARKERS).select(*MARKER_KEYS)
+    entries = wh.read(LEDGER_ENTRIES).where(F.col("entry_type") != EntryType.DATA.value).select(
+        *POSITIONS, "entry_type", *TXN_ID_HALVES)
+    unmatched = markers.groupBy("topic").cogroup(entries.groupBy("topic")).applyInArrow(
+        topic_unmatched_markers, "unmatched long").agg(F.coalesce(F.sum("unmatched"), F.lit(0))).first()[0]
+    buckets = int(wh.spark.conf.get("spark.sql.shuffle.partitions"))
+    split = (markers.select(*TXN_ID_HALVES, "outcome")
+             .withColumn("_bucket", F.pmod(F.hash(*TXN_ID_HALVES), F.lit(buckets))).groupBy("_bucket")
+             .applyInArrow(split_outcomes, "txn_most_bits long, txn_least_bits long")
+             .orderBy(*TXN_ID_HALVES).limit(20).toArrow())
+    return MarkersMatch(markers_without_entry=int(unmatched), txns_with_split_outcome=_split_txn_ids(split))
 
 
 def stable_moves_back(wh: Warehouse) -> StableMoves | None:
