@@ -238,12 +238,13 @@ def decoded_segments(segments: pa.Table) -> list[tuple]:
             ledger, entry = seg["ledger_id"], seg["first_entry_id"] + offset
             target = seg["targets"][(code >> kernel.CODE_TARGET_SHIFT) & kernel.CODE_TARGET_MASK] if not code & 1 else None
             visible = (ledger, entry) if code & 1 else (target["ledger_id"], target["entry_id"])
-            rows.append((ledger, entry, *visible, code >> kernel.CODE_SEQ_SHIFT, bool(code & 2)))
+            assert not code & 2, "bit 1 is unused"
+            rows.append((ledger, entry, *visible, code >> kernel.CODE_SEQ_SHIFT))
     return sorted(rows)
 
 
 def visible_rows(visible: pa.Table) -> list[tuple]:
-    columns = ["ledger_id", "entry_id", "visible_ledger_id", "visible_entry_id", "local_seq", "in_stable_prefix"]
+    columns = ["ledger_id", "entry_id", "visible_ledger_id", "visible_entry_id", "local_seq"]
     return sorted(zip(*(visible[c].to_pylist() for c in columns)))
 
 

@@ -379,9 +379,9 @@ _VISIBLE_COLUMNS = POSITIONS + ["_row", "visible_ledger_id", "visible_entry_id",
 
 # `VISIBLE` as segments of a ledger's entry ids, for a join by (topic, ledger) and a lookup by entry
 # id (the Spark runner's committed rows): a row's code is -1 when it is not visible, else
-# local_seq << 32 | target << 2 | in_stable_prefix << 1 | at_own_position, where `target`
-# indexes the segment's `targets` (the visible positions that are not the rows' own). The Spark
-# runner reads `in_stable_prefix` from the run's last stable position instead (`fold_scopes`).
+# local_seq << 32 | target << 2 | at_own_position, where `target` indexes the segment's `targets`
+# (the visible positions that are not the rows' own). Bit 1 is unused: the Spark runner stamps
+# `in_stable_prefix` against the run's last stable position (`fold_scopes`), not a chunk's.
 SEGMENT_GAP = 1024  # entry ids further apart than this start a new segment
 CODE_SEQ_SHIFT, CODE_TARGET_SHIFT = 32, 2
 CODE_TARGET_MASK = (1 << 30) - 1
@@ -403,7 +403,6 @@ def visible_segments(visible: pa.Table) -> pa.Table:
         raise ValueError(f"a transaction has more than {np.iinfo(np.int32).max} entries on one topic; "
                          "visible_segments cannot encode its order")
     own = (target_ledger == ledger) & (target_entry == entry)
-    stable = v["in_stable_prefix"].to_numpy(zero_copy_only=False).astype(np.int64)
     starts = np.flatnonzero(np.r_[True, (ledger[1:] != ledger[:-1]) | (entry[1:] - entry[:-1] > SEGMENT_GAP)])
     ends = np.append(starts[1:], len(ledger))
     codes, code_offsets, targets_l, targets_e, target_offsets = [], [0], [], [], [0]
@@ -416,8 +415,7 @@ def visible_segments(visible: pa.Table) -> pa.Table:
         target = np.zeros(e - s, dtype=np.int64)
         target[foreign] = np.asarray(index).reshape(-1)
         span = np.full(entry[e - 1] - entry[s] + 1, -1, dtype=np.int64)
-        span[entry[s:e] - entry[s]] = ((seq[s:e] << CODE_SEQ_SHIFT) | (target << CODE_TARGET_SHIFT)
-                                      | (stable[s:e] << 1) | own[s:e].astype(np.int64))
+        span[entry[s:e] - entry[s]] = (seq[s:e] << CODE_SEQ_SHIFT) | (target << CODE_TARGET_SHIFT) | own[s:e].astype(np.int64)
         codes.append(span)
         code_offsets.append(code_offsets[-1] + len(span))
         targets_l.append(unique[:, 0])

@@ -34,6 +34,7 @@ from pyspark.sql import functions as F
 from txn_engine.buffer import kernel, spark_runner
 from txn_engine.buffer.kernel import NARROW_TABLES, TABLE_SCHEMAS, VIOLATIONS, require_ledger_entries
 from txn_engine.storage.arrow_frames import arrow_schema, local_frame
+from txn_engine.core.positions import at_or_before_sql
 from txn_engine.storage.delta_io import (
     aggregate_batches,
     DeltaTables,
@@ -562,7 +563,7 @@ def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], 
         def rows(flag: str, below: bool) -> str:
             return " OR ".join(
                 f"(topic = {sql_string(t, delta_rs=True)} AND in_stable_prefix = {flag} AND "
-                f"{'' if below else 'NOT '}(ledger_id < {l} OR (ledger_id = {l} AND entry_id <= {e})) AND {not_rewritten})"
+                f"{'' if below else 'NOT '}{at_or_before_sql('ledger_id', 'entry_id', l, e)} AND {not_rewritten})"
                 for t, l, e, _ in moved
             )
         if forward:
@@ -571,7 +572,7 @@ def _move_stable_prefix(wh: Warehouse, old_rows, new_rows, rewritten: set[int], 
             tables.update(COMMITTED_ENTRIES, {"in_stable_prefix": "false"}, rows("true", below=False))
         return
     source = local_frame(wh.spark, [(t, l, e) for t, l, e, _ in moved], "topic string, _sl long, _se long")
-    at_or_below = "(t.ledger_id < s._sl OR (t.ledger_id = s._sl AND t.entry_id <= s._se))"
+    at_or_below = at_or_before_sql("t.ledger_id", "t.entry_id", "s._sl", "s._se")
     not_rewritten = f"NOT ({ledger_ids_predicate('t.visible_ledger_id', rewritten)})"
     with wh.writer(COMMITTED_ENTRIES):
         table = DeltaTable.forPath(wh.spark, wh.path(COMMITTED_ENTRIES))

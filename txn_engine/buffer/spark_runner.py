@@ -41,6 +41,7 @@ from txn_engine.buffer.kernel import (
 )
 from txn_engine.storage.arrow_frames import arrow_schema, local_frame
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES
+from txn_engine.core.positions import at_or_before_sql
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
@@ -379,8 +380,7 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
         F.when(own, F.col("ledger_id")).otherwise(target["ledger_id"]).alias("visible_ledger_id"),
         F.when(own, F.col("entry_id")).otherwise(target["entry_id"]).alias("visible_entry_id"),
         F.shiftright(code, kernel.CODE_SEQ_SHIFT).alias("local_seq"),
-        ((F.col("ledger_id") < F.col("_sl")) | ((F.col("ledger_id") == F.col("_sl")) & (F.col("entry_id") <= F.col("_se"))))
-        .alias("in_stable_prefix"),
+        F.expr(at_or_before_sql("ledger_id", "entry_id", "_sl", "_se")).alias("in_stable_prefix"),
     )
     return conform(decided_rows, COMMITTED_ENTRIES_SCHEMA)
 

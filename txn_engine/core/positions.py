@@ -27,6 +27,12 @@ class Position(NamedTuple):
             ) from None
 
 
+def at_or_before_sql(ledger: str, entry: str, other_ledger: str, other_entry: str) -> str:
+    """SQL (Spark's and delta-rs's) for "position (ledger, entry) is at or before (other_ledger,
+    other_entry)", over column names or literals: the one text of the rule outside Arrow."""
+    return f"({ledger} < {other_ledger} OR ({ledger} = {other_ledger} AND {entry} <= {other_entry}))"
+
+
 # The position before anything: what a topic with no readable entry reports.
 EARLIEST = Position(-1, -1)
 
