@@ -39,6 +39,16 @@ def with_values(row: pa.Table, **values) -> pa.Table:
     return row
 
 
+def break_committed_entries(warehouse) -> None:
+    """Corruption in ledger 3: an old row again (visible in ledger 3: its position and its sequence
+    repeat a row of ledger 1), a row of the aborted T2, a marker."""
+    old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
+    again = with_values(old_row, visible_ledger_id=3)
+    aborted = with_values(again, txn_most_bits=T2[0], txn_least_bits=T2[1], entry_id=9, sequence_id=None)
+    marker = with_values(aborted, entry_type="COMMIT", txn_least_bits=T1[1], entry_id=10)
+    DeltaTables(warehouse).append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
+
+
 def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_an_incremental_one(spark, warehouse):
     append(warehouse, spark, FIRST)
     assert refresh(warehouse).full
@@ -63,13 +73,7 @@ def test_checks_read_the_whole_tables_after_a_full_run_and_the_runs_rows_after_a
     assert committed_once(warehouse) == scoped
 
     tables = DeltaTables(warehouse)
-    # Corruption in the run's ledgers: an old row again (visible in ledger 3: its position and its
-    # sequence repeat a row of ledger 1 that the run did not rewrite), a row of the aborted T2, a marker.
-    old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
-    again = with_values(old_row, visible_ledger_id=3)
-    aborted = with_values(again, txn_most_bits=T2[0], txn_least_bits=T2[1], entry_id=9, sequence_id=None)
-    marker = with_values(aborted, entry_type="COMMIT", txn_least_bits=T1[1], entry_id=10)
-    tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
+    break_committed_entries(warehouse)
     broken = committed_once(warehouse)
     assert not broken.passed
     assert (broken.duplicate_positions, broken.duplicate_sequences, broken.entries_of_uncommitted_txns, broken.markers) == \
@@ -134,11 +138,7 @@ def test_whole_table_checks_find_the_same_in_the_driver_and_on_spark(spark, ware
     append(warehouse, spark, FIRST + LATER)
     assert refresh(warehouse).full and last_run_ledgers(warehouse) is None
     tables = DeltaTables(warehouse)
-    old_row = rows_of(warehouse, COMMITTED_ENTRIES, ledger_id=1, entry_id=2)
-    again = with_values(old_row, visible_ledger_id=3)
-    aborted = with_values(again, txn_most_bits=T2[0], txn_least_bits=T2[1], entry_id=9, sequence_id=None)
-    marker = with_values(aborted, entry_type="COMMIT", txn_least_bits=T1[1], entry_id=10)
-    tables.append(COMMITTED_ENTRIES, COMMITTED_ENTRIES_SCHEMA, pa.concat_tables([again, aborted, marker]))
+    break_committed_entries(warehouse)
     fake = with_values(rows_of(warehouse, TXN_MARKERS, txn_least_bits=T1[1]), outcome="ABORT", topic="b", ledger_id=4)
     tables.append(TXN_MARKERS, TXN_MARKERS_SCHEMA, fake)
 
