@@ -149,4 +149,10 @@ def pytest_configure(config):
 
     os.environ.setdefault("TXNLAKE_SPARK_LOG_LEVEL", "ERROR")
     # Runs made by the tests go to a throwaway Dagster instance, not the repository's.
-    os.environ["DAGSTER_HOME"] = tempfile.mkdtemp(prefix="txnlake-dagster-home-")
+    config._txnlake_dagster_home = os.environ["DAGSTER_HOME"] = tempfile.mkdtemp(prefix="txnlake-dagster-home-")
+
+
+def pytest_unconfigure(config):
+    home = getattr(config, "_txnlake_dagster_home", None)
+    if home:
+        shutil.rmtree(home, ignore_errors=True)
