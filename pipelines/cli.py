@@ -9,12 +9,15 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pipelines.arguments import non_negative
 from pipelines.progress import Console
 from pipelines.txn_cli import add_txn_parser, run_txn_command
 from txn_engine.core.errors import TxnlakeError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 # What `make` writes to DAGSTER_HOME/dagster.yaml (the Makefile's rule): no telemetry; pools of
@@ -326,14 +329,31 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
-    from txn_engine.sql.models import load_model, run_model
+    from txn_engine.sql.models import load_model, run_model, run_model_in_driver, runs_in_driver
 
     model = load_model(args.file)
     _command.console.begin(f"running {model.name}")
     print(f"-- {model.name}: reads {', '.join(model.reads) or 'no table'}")
-    result = run_model(_open_warehouse(), model)
-    result.show(args.limit, truncate=False)
+    wh = _open_warehouse()
+    if runs_in_driver(wh, model):  # a shipped model on small tables: DuckDB in this process, no JVM
+        print(text_table(run_model_in_driver(wh, model), args.limit), end="")
+    else:
+        run_model(wh, model).show(args.limit, truncate=False)
     return 0
+
+
+def text_table(table: pa.Table, limit: int) -> str:
+    """The first `limit` rows as Spark's `show(truncate=False)` prints them: a bordered grid,
+    NULL for a missing value, and how many rows were shown when there are more."""
+    rows = [["NULL" if v is None else str(v).lower() if isinstance(v, bool) else str(v) for v in r.values()]
+            for r in table.slice(0, limit).to_pylist()]
+    widths = [max([len(name), *(len(r[i]) for r in rows)]) for i, name in enumerate(table.column_names)]
+    rule = "+" + "+".join("-" * w for w in widths) + "+"
+    line = lambda cells: "|" + "|".join(c.ljust(w) for c, w in zip(cells, widths)) + "|"  # noqa: E731
+    out = [rule, line(table.column_names), rule, *map(line, rows), rule]
+    if table.num_rows > limit:
+        out.append(f"only showing top {limit} row{'s' if limit != 1 else ''}")
+    return "\n".join(out) + "\n\n"
 
 
 def cmd_snapshot(args: argparse.Namespace) -> int:
@@ -695,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Runs one SQL file over the warehouse's Delta tables (each table by its name) and "
                        "prints its rows.")
     p.add_argument("file", help="a .sql file, e.g. dbt-free-sql/ledger_sizes.sql")
-    p.add_argument("--limit", type=int, default=50, help="rows to print (default 50)")
+    p.add_argument("--limit", type=non_negative(), default=50, help="rows to print (default 50)")
     p.set_defaults(func=cmd_sql)
 
     p = sub.add_parser("snapshot", help="take the due transaction-buffer snapshots, compact, recover and check",

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipelines.cli import DAGSTER_YAML, PAYLOAD_CHARS, _instance, entry_line, main, payload_text
+from txn_engine.core.schema import TABLES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,6 +45,10 @@ def test_generate_ingest_run_sql_offload_read(warehouse, warehouse_root, tmp_pat
     assert main(["sql", str(REPO / "dbt-free-sql" / "ledger_sizes.sql"), "--limit", "3"]) == 0
     out = capsys.readouterr().out
     assert "reads ledger_entries, ledgers" in out and "pct_of_topic_entries" in out
+    # Printed as Spark's show prints it: a header and three rows of the same width, and how many were shown.
+    grid = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(grid) == 4 and len({len(line) for line in grid}) == 1 and "only showing top 3 rows" in out, out
+    assert grid[0].replace(" ", "").split("|")[1:-1] == TABLES["ledger_sizes"].schema.fieldNames()
     assert main(["txn", "list", "--state", "complete_abort"]) == 0  # any case
     out = capsys.readouterr().out
     assert "COMPLETE_ABORT" in out and "COMPLETE_COMMIT" not in out and "\n0 transaction(s)" not in out
