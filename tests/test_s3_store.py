@@ -193,3 +193,22 @@ def test_an_older_s3_warehouse_is_refused_then_moved_by_copy(s3_store):
     [row] = DeltaTable(settings.table_path(OFFLOAD_MANIFEST), storage_options=opts).to_pyarrow_table().to_pylist()
     assert row["checksum"] == "ffffffffffffffff"  # -1 modulo 2^64
     assert migrate_warehouse(Warehouse(None, settings), report=lambda line: None) == {}
+
+
+def test_a_shipped_model_runs_in_the_driver_over_an_s3_warehouse(s3_store):
+    """DuckDB reads the store's Delta tables through delta-rs's datasets, with the store's settings:
+    the driver's way for a shipped model on small tables (`sql.models.runs_in_driver`), no JVM."""
+    from txn_engine.core.schema import TXN_MARKERS, TXN_MARKERS_SCHEMA
+    from txn_engine.sql.models import discover_models, run_model_in_driver, runs_in_driver
+    from txn_engine.storage.delta_io import DeltaTables
+
+    warehouse = Warehouse(lambda: None, s3_store.settings("modelled"))
+    assert warehouse.path(TXN_MARKERS).startswith(f"s3://{s3_store.bucket}/modelled/")
+    markers = [{"topic": "t", "txn_most_bits": 0, "txn_least_bits": i, "outcome": "ABORT" if i % 3 == 0 else "COMMIT",
+                "ledger_id": 1 + i // 6, "entry_id": i} for i in range(12)]
+    DeltaTables(warehouse).append(TXN_MARKERS, TXN_MARKERS_SCHEMA, markers)
+    model = next(m for m in discover_models() if m.name == "abort_rates")
+    assert runs_in_driver(warehouse, model)
+    rates = {r["ledger_id"]: (r["decided_txns"], r["aborted_txns"], r["abort_rate"])
+             for r in run_model_in_driver(warehouse, model).to_pylist()}
+    assert rates == {1: (6, 2, round(2 / 6, 4)), 2: (6, 2, round(2 / 6, 4))}  # the model rounds to 4 places
