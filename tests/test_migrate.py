@@ -179,7 +179,8 @@ def test_snapshot_aborts_carry_a_readable_txn_id_and_older_logs_are_migrated(war
 
     from pipelines.cli import main
     from tests.test_snapshot_jobs import aborted_history, assert_all_recover, snapshot, store_log
-    from txn_engine.core.schema import RECOVERED_BUFFER_STATE, TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA
+    from txn_engine.core.schema import ABORT_STRUCT, RECOVERED_BUFFER_STATE, TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA
+    from txn_engine.storage.warehouse import elements_as
     from txn_engine.snapshots.jobs import recover_from_warehouse
     from txn_engine.snapshots.format import SnapshotConfig
 
@@ -206,8 +207,7 @@ def test_snapshot_aborts_carry_a_readable_txn_id_and_older_logs_are_migrated(war
     # What an older txnlake wrote: each abort without its txn_id.
     for table in (TXN_SNAPSHOT_SEGMENTS, RECOVERED_BUFFER_STATE):
         frame = warehouse.spark.read.format("delta").load(warehouse.path(table))
-        old = frame.withColumn("aborts", F.transform("aborts", lambda a: F.struct(
-            *[a[n].alias(n) for n in ("txn_most_bits", "txn_least_bits", "ledger_id", "entry_id")]))).localCheckpoint()
+        old = frame.withColumn("aborts", elements_as("aborts", ABORT_STRUCT)).localCheckpoint()
         old.write.format("delta").mode("overwrite").option("overwriteSchema", "true").save(warehouse.path(table))
     with pytest.raises(WarehouseMigrationError, match=r"txn_snapshot_segments at .* has no column\(s\) aborts.txn_id: "
                        r".*Run `txnlake migrate` once"):

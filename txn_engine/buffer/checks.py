@@ -27,7 +27,7 @@ from txn_engine.buffer.kernel import POSITIONS, PRODUCER_KEY, SEQUENCE_KEY, TXN_
 from txn_engine.buffer.refresh import ALL_LEDGERS, RUN_LEDGERS_KEY
 from txn_engine.storage.delta_io import DeltaTables, aggregate, scan
 from txn_engine.core.log_types import EntryType
-from txn_engine.core.schema import BUFFER_LEDGER_TXNS, BUFFER_SEQUENCE_RANGES, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
+from txn_engine.core.schema import TXN_HALVES, BUFFER_LEDGER_TXNS, BUFFER_SEQUENCE_RANGES, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
 from txn_engine.storage.warehouse import Warehouse
 
 
@@ -114,7 +114,7 @@ def _whole_in_driver(wh: Warehouse, tables: DeltaTables, *names: str) -> bool:
     return wh.settings.whole_tables_in_driver(sum(tables.stored_bytes(t) for t in names))
 
 
-COMMITTED_COLUMNS = POSITIONS + ["entry_type", "txn_most_bits", "txn_least_bits", "producer_id", "producer_epoch", "sequence_id"]
+COMMITTED_COLUMNS = POSITIONS + ["entry_type", *TXN_HALVES, "producer_id", "producer_epoch", "sequence_id"]
 COUNTS = ("entries_of_uncommitted_txns", "duplicate_positions", "duplicate_sequences", "markers")
 
 
@@ -179,8 +179,8 @@ def _committed_once_on_spark(wh: Warehouse) -> CommittedOnce:
     return CommittedOnce(**{name: int(totals[name]) for name in COUNTS})
 
 
-MARKER_KEYS = POSITIONS + ["outcome", "txn_most_bits", "txn_least_bits"]
-TXN_ID_HALVES = ["txn_most_bits", "txn_least_bits"]
+TXN_ID_HALVES = list(TXN_HALVES)
+MARKER_KEYS = POSITIONS + ["outcome", *TXN_ID_HALVES]
 
 
 def unmatched_markers(markers: pa.Table, entries: pa.Table) -> pa.Table:

@@ -55,7 +55,7 @@ from txn_engine.snapshots.index import live_ends as live_ends_of
 from txn_engine.snapshots.triggers import TriggerConfig, due_reasons
 from txn_engine.snapshots.replay import after_snapshot, anchor_position, full_replay_rows, replayed_rows
 from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
-from txn_engine.storage.warehouse import Warehouse, retry_delta_conflicts, stored_frame
+from txn_engine.storage.warehouse import Warehouse, elements_as, retry_delta_conflicts, stored_frame
 
 # The writer's steps, in order; `after_commit` hooks receive them (tests inject crashes there).
 PARTS, ENDS, TOMBSTONES = "parts", "ends", "tombstones"
@@ -627,8 +627,7 @@ def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConf
 def read_segments(warehouse: Warehouse) -> DataFrame:
     """The snapshot log, each abort as the engine builds it (the stored readable `txn_id` left out)."""
     segments = warehouse.read_or_empty(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
-    return segments.withColumn("aborts", F.transform("aborts", lambda a: F.struct(
-        *[a[name].alias(name) for name in ABORT_STRUCT.fieldNames()])))
+    return segments.withColumn("aborts", elements_as("aborts", ABORT_STRUCT))
 
 
 def recover_from_warehouse(warehouse: Warehouse) -> DataFrame:

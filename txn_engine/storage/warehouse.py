@@ -201,8 +201,9 @@ def txn_id_column(half: Callable[[str], Column] = F.col) -> Column:
     return F.concat(half(TXN_HALVES[0]).cast("string"), F.lit(":"), half(TXN_HALVES[1]).cast("string"))
 
 
-def _elements_with_txn_id(name: str, stored: StructType) -> Column:
-    """An array column's struct elements as `stored` has them, each `txn_id` from its halves."""
+def elements_as(name: str, stored: StructType) -> Column:
+    """An array column's struct elements as `stored` has them: its fields in its order, a `txn_id`
+    it names computed from the element's halves."""
     return F.transform(F.col(f"`{name}`"), lambda e: F.struct(
         *[(txn_id_column(lambda h: e[h]) if f.name == TXN_ID else e[f.name]).alias(f.name) for f in stored.fields]))
 
@@ -225,7 +226,7 @@ def stored_frame(table: str, frame: DataFrame) -> DataFrame:
             columns.append(txn_id_column().alias(TXN_ID, metadata=field.metadata))
         elif field.name in present and elements and TXN_ID in elements.fieldNames() \
                 and txn_id_owed(f"{field.name}.{TXN_ID}", paths):
-            columns.append(_elements_with_txn_id(field.name, elements).alias(field.name, metadata=field.metadata))
+            columns.append(elements_as(field.name, elements).alias(field.name, metadata=field.metadata))
         elif field.name in present:
             columns.append(F.col(f"`{field.name}`").alias(field.name, metadata=field.metadata))
     named = set(stored.fieldNames())
