@@ -2,14 +2,15 @@
 
 The log is written directly as segment files (record batch format v2, uncompressed, CRC-32C;
 `write_log`), a Kafka log as a broker stores it: PARTITIONS partitions of SEGMENT_MB segments,
-transactional producers committing batches of BATCH_RECORDS records of VALUE_BYTES-byte values
-(an abort now and then), keys and headers on every record. Measured on the same files:
+transactional producers committing batches of BATCH_RECORDS records of VALUE_BYTES-byte values,
+each different (`_value`), an abort now and then, keys and headers on every record. Measured on
+the same files:
 - binary read: Spark reads every segment as bytes (`binaryFile`) and sums their lengths, the
-  floor of any import (after a first such read, which pays the JVM's warm-up);
+  floor of any import (after a first such read, which pays the JVM's warm-up), ROUNDS times;
 - import: `import_kafka` into an empty warehouse (parse on Spark, validate, append to
-  `ledger_entries`), twice: the first pays the JVM's warm-up of the import's code (as a
-  `txnlake import-kafka` process does), the second, into another empty warehouse, does not (as
-  the read it is compared with).
+  `ledger_entries`), ROUNDS + 1 times, each into a warehouse of its own: the first pays the JVM's
+  warm-up of the import's code (as a `txnlake import-kafka` process does), the others do not (as
+  the read it is compared with). Each figure is the median of its rounds.
 Target: the import at most 2x the binary read. Prints seconds, records/s and MB/s of both, and the
 driver JVM's CPU seconds of each (all of Spark's work in local mode; on a shared machine their ratio
 moves far less than the wall times').
@@ -18,6 +19,7 @@ moves far less than the wall times').
 from __future__ import annotations
 
 import os
+import random
 import struct
 from pathlib import Path
 
@@ -30,6 +32,7 @@ SEGMENT_MB = 128
 BATCH_RECORDS = 50
 VALUE_BYTES = 1000
 ABORT_EVERY = 10  # one transaction in ten aborts
+ROUNDS = 3  # reads, and imports after the first; each figure is their median (this machine swings)
 
 
 def _varint(value: int) -> bytes:
@@ -61,16 +64,25 @@ def _batch(base_offset: int, records: list[bytes], producer: int, sequence: int,
     return struct.pack(">qiibI", base_offset, length, 0, 2, crc32c.crc32c(after_crc)) + after_crc
 
 
+def _value(rng: random.Random, shared: bytes) -> bytes:
+    """A record's value: every one different, about 2:1 compressible (half random bytes, half a
+    pattern all share), as serialized events are; equal values would flatter the write's compression
+    and burden Parquet's dictionary."""
+    half = VALUE_BYTES // 2
+    return rng.randbytes(half) + shared[:VALUE_BYTES - half]
+
+
 def write_log(folder: Path, total_mb: int) -> tuple[int, int]:
     """Segments of PARTITIONS partitions holding about `total_mb` MB; (records, bytes) written."""
     per_partition = total_mb * 1024 * 1024 // PARTITIONS
-    value = bytes(range(256)) * (VALUE_BYTES // 256) + bytes(VALUE_BYTES % 256)
+    shared = bytes(range(256)) * (VALUE_BYTES // 256 + 1)
     records = written = 0
     for partition in range(PARTITIONS):
         directory = folder / f"bench-{partition}"
         directory.mkdir(parents=True)
         offset, size, txn, segment, out = 0, 0, 0, None, None
         sequence = {}
+        rng = random.Random(partition)
         while size < per_partition:
             if out is None or out.tell() >= SEGMENT_MB * 1024 * 1024:
                 if out:
@@ -79,7 +91,8 @@ def write_log(folder: Path, total_mb: int) -> tuple[int, int]:
                 out = open(segment, "wb")
             producer = txn % 8
             seq = sequence.get(producer, 0)
-            data = [_record(i, f"key-{txn}-{i}".encode(), value, [("trace", f"{txn}".encode())]) for i in range(BATCH_RECORDS)]
+            data = [_record(i, f"key-{txn}-{i}".encode(), _value(rng, shared), [("trace", f"{txn}".encode())])
+                    for i in range(BATCH_RECORDS)]
             batch = _batch(offset, data, producer, seq, False, 1_700_000_000_000 + offset)
             sequence[producer] = seq + BATCH_RECORDS
             kind = 0 if txn % ABORT_EVERY == ABORT_EVERY - 1 else 1
@@ -110,27 +123,30 @@ def run(total_mb: int, workdir: Path) -> dict:
     paths = [s.path for s in resolve_segments(spark, [str(log)])]
     # The session's first job pays the JVM's warm-up; the floor is a read without it.
     spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()
-    cpu = jvm_cpu_seconds(spark)
-    with timed("binary read: Spark reads every segment as bytes") as t_read:
-        read = spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()[0]
-    cpu_read, cpu = jvm_cpu_seconds(spark) - cpu, jvm_cpu_seconds(spark)
-    assert read == size, (read, size)
-    runs = []
-    for run_name in ("first", "warm"):
-        wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / f"wh-{run_name}")))
-        with timed(f"import ({run_name}): parse, validate, append to ledger_entries") as t_import:
+    reads = []
+    for i in range(ROUNDS):
+        cpu = jvm_cpu_seconds(spark)
+        with timed(f"binary read {i + 1}: Spark reads every segment as bytes") as t:
+            read = spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()[0]
+        reads.append((t.seconds, jvm_cpu_seconds(spark) - cpu))
+        assert read == size, (read, size)
+    imports = []
+    for i in range(ROUNDS + 1):
+        wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / f"wh-{i}")))
+        cpu = jvm_cpu_seconds(spark)
+        with timed(f"import {i + 1}: parse, validate, append to ledger_entries") as t:
             summary = import_kafka(wh, [str(log)]).ingest
-        cpu_import, cpu = jvm_cpu_seconds(spark) - cpu, jvm_cpu_seconds(spark)
+        imports.append((t.seconds, jvm_cpu_seconds(spark) - cpu))
         assert summary.rows_written == records, (summary.rows_written, records)
-        runs.append((t_import, cpu_import))
-    (t_first, cpu_first), (t_import, cpu_import) = runs
-    ratio = t_import.seconds / t_read.seconds
+    (t_first, cpu_first), warm = imports[0], imports[1:]
+    (t_read, cpu_read), (t_import, cpu_import) = _median(reads), _median(warm)
+    ratio = t_import / t_read
     figures = {
         "records": records, "megabytes": round(mb, 1),
-        "binary_read_s": round(t_read.seconds, 2), "import_s": round(t_import.seconds, 2),
-        "first_import_s": round(t_first.seconds, 2), "first_import_cpu_s": round(cpu_first, 2),
-        "import_records_per_s": round(records / t_import.seconds), "import_mb_per_s": round(mb / t_import.seconds, 1),
-        "read_mb_per_s": round(mb / t_read.seconds, 1), "ratio": round(ratio, 2),
+        "binary_read_s": round(t_read, 2), "import_s": round(t_import, 2),
+        "first_import_s": round(t_first, 2), "first_import_cpu_s": round(cpu_first, 2),
+        "import_records_per_s": round(records / t_import), "import_mb_per_s": round(mb / t_import, 1),
+        "read_mb_per_s": round(mb / t_read, 1), "ratio": round(ratio, 2),
         "binary_read_cpu_s": round(cpu_read, 2), "import_cpu_s": round(cpu_import, 2), "cpu_ratio": round(cpu_import / cpu_read, 2),
         "load_average": os.getloadavg()[0],
         "jvm_peak_mib": round(jvm_peak_rss_mib(spark)),
@@ -138,9 +154,14 @@ def run(total_mb: int, workdir: Path) -> dict:
     print(f"  {records:,} records, {mb:,.0f} MB: import {figures['import_records_per_s']:,} records/s, "
           f"{figures['import_mb_per_s']} MB/s; binary read {figures['read_mb_per_s']} MB/s; "
           f"import / read = {ratio:.1f}x (target at most 2x); JVM CPU {cpu_import:.1f} s / {cpu_read:.1f} s = "
-          f"{cpu_import / cpu_read:.1f}x; first import {t_first.seconds:.1f} s, {cpu_first:.1f} s of CPU; "
+          f"{cpu_import / cpu_read:.1f}x (medians of {ROUNDS}); first import {t_first:.1f} s, {cpu_first:.1f} s of CPU; "
           f"load average {os.getloadavg()[0]:.1f}")
     return figures
+
+
+def _median(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    """The run of median wall time: (seconds, CPU seconds)."""
+    return sorted(runs)[len(runs) // 2]
 
 
 def run_benchmark(workdir: Path) -> dict:

@@ -186,12 +186,14 @@ def test_spark_conf_values_may_hold_commas(monkeypatch):
     monkeypatch.setenv(
         "TXNLAKE_SPARK_CONF",
         f"spark.jars.packages={packages},spark.driver.extraJavaOptions=-Da=1,-Db=2\n"
-        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint = http://minio:9000,\n",
+        "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint = http://minio:9000,\n"
+        "spark.hadoop.parquet.enable.dictionary#payload=true",  # Parquet's per-column keys
     )
     assert conf_from_environment() == {
         "spark.jars.packages": packages,
         "spark.driver.extraJavaOptions": "-Da=1,-Db=2",
         "spark.hadoop.fs.s3a.bucket.my-bucket.endpoint": "http://minio:9000",
+        "spark.hadoop.parquet.enable.dictionary#payload": "true",
     }
     assert effective_conf()["spark.jars.packages"] == packages
 

@@ -46,7 +46,8 @@ def is_local_uri(uri: str) -> bool:
 
 
 # A Spark (or spark.hadoop.*) property name: dotted words, e.g. spark.hadoop.fs.s3a.bucket.my-bucket.endpoint.
-_PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w-]+)+)\s*=(.*)")
+# Dotted names; `#` as in Parquet's per-column keys (`spark.hadoop.parquet.enable.dictionary#payload`).
+_PROPERTY = re.compile(r"\s*([A-Za-z][\w-]*(?:\.[\w#-]+)+)\s*=(.*)")
 
 
 def conf_from_environment() -> dict[str, str]:

@@ -773,7 +773,7 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 observation = Observation(f"ingest-{summary.ingest_id}")
                 observed = classified.observe(observation, F.call_function(TALLY, F.concat_ws(
                     _TALLY_SEP, *[F.coalesce(c.cast("string"), F.lit(_TALLY_NULL)) for c in _tally_keys(is_new)])).alias("tally"))
-                _append_new(warehouse, observed, in_position_order, None)
+                _append_new(warehouse, observed, in_position_order, None, compared=False)
                 appended_to = _summarize(summary, _observed_tally(observation.get["tally"]))
                 # After the append: a crash before this write is repaired by running it again, which
                 # finds the same rows to quarantine (no rule of theirs depends on the append).
@@ -856,18 +856,25 @@ def _write_quarantine_if_any(warehouse: Warehouse, classified: DataFrame, summar
         DeltaTables(warehouse).overwrite(QUARANTINE_ENTRIES, [], QUARANTINE_ENTRIES_SCHEMA)
 
 
-def _append_new(warehouse: Warehouse, classified: DataFrame, in_position_order: bool, rows: int | None) -> None:
-    """Append the NEW rows of `classified` (`rows` of them, None when not known yet)."""
+def _append_new(warehouse: Warehouse, classified: DataFrame, in_position_order: bool, rows: int | None,
+                compared: bool = True) -> None:
+    """Append the NEW rows of `classified` (`rows` of them, None when not known yet). `compared`:
+    whether `classify` compared any row by position (it did not when no ledger was suspect)."""
     # Files of contiguous positions, sorted: a ledger's entries sit together, so aggregates by
     # ledger and transaction combine before they shuffle, and readers skip files by their
     # ledger_id statistics (docs/benchmarks.md, "Buffer").
     new = classified.filter(F.col("status") == NEW)
     columns = [F.col(f.name).cast(f.dataType) for f in LEDGER_ENTRIES_SCHEMA.fields]
-    ranged = new.where(F.col("_compared")) if in_position_order else new
-    new_rows = ranged.select(*columns).repartitionByRange(
-        max(1, -(-(rows or 0) // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(*POSITION_COLUMNS)
-    if in_position_order:
-        new_rows = new_rows.unionByName(new.where(~F.col("_compared")).select(*columns))
+    in_order = new.where(~F.col("_compared")).select(*columns) if in_position_order else None
+    if in_order is not None and not compared:
+        # Written as they come: a ranged branch, even one of no rows, computes the input again.
+        new_rows = in_order
+    else:
+        ranged = new.where(F.col("_compared")) if in_position_order else new
+        new_rows = ranged.select(*columns).repartitionByRange(
+            max(1, -(-(rows or 0) // ROWS_PER_FILE)), *POSITION_COLUMNS).sortWithinPartitions(*POSITION_COLUMNS)
+        if in_order is not None:
+            new_rows = new_rows.unionByName(in_order)
     retry_delta_conflicts(
         lambda: stored_frame(LEDGER_ENTRIES, new_rows).write.format("delta").mode("append").save(warehouse.path(LEDGER_ENTRIES))
     )

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from py4j.java_gateway import JavaClass
@@ -164,12 +164,12 @@ def parsed_accumulator(spark: SparkSession):
     return acc
 
 
+def _parsed_lines(acc) -> list[tuple[str, int]]:
+    return [(path, int(records)) for path, _, records in (str(line).rpartition("\t") for line in list(acc.value()))]
+
+
 def _parsed_so_far(acc) -> dict[str, int]:
-    out = {}
-    for line in list(acc.value()):
-        path, _, records = str(line).rpartition("\t")
-        out[path] = int(records)
-    return out
+    return dict(_parsed_lines(acc))
 
 
 @contextmanager
@@ -252,6 +252,8 @@ def as_raw_rows(parsed: DataFrame) -> DataFrame:
 class KafkaImportSummary:
     segments: list[Segment]
     ingest: IngestSummary
+    # How many times each segment was parsed: once, unless Spark ran a task again.
+    segment_reads: Counter[str] = field(default_factory=Counter)
 
     def partition_lines(self) -> list[str]:
         counts: dict[str, int] = {}
@@ -285,7 +287,7 @@ def import_kafka(warehouse: Warehouse, paths: Sequence[str], progress: Callable[
         summary = append_validated(warehouse, validate(as_raw_rows(rows)), [s.path for s in segments], in_position_order=True,
                                    input_ledgers={ledger: n > 1 for ledger, n in files_per_ledger.items()},
                                    count_while_writing=True)
-    result = KafkaImportSummary(segments, summary)
+    result = KafkaImportSummary(segments, summary, Counter(path for path, _ in _parsed_lines(done)))
     for line in result.partition_lines():
         progress(line)
     return result
