@@ -64,6 +64,10 @@ DEFAULT_SPARK_CONF: dict[str, str] = {
     # Delta's VACUUM lists a table's folders with this many tasks (Spark's default: 10,000), pure
     # overhead on 2 cores even for a tiny table (docs/benchmarks.md, "Spark settings").
     "spark.sql.sources.parallelPartitionDiscovery.parallelism": "4",
+    # PySpark's DataFrame query context: every `pyspark.sql.functions` call first records its
+    # Python call site in the JVM, several round trips each, which makes building a job's columns
+    # cost more than running it on a small log (docs/benchmarks.md, "Spark settings").
+    "spark.python.sql.dataFrameDebugging.enabled": "false",
     "spark.ui.enabled": "false",
     "spark.ui.showConsoleProgress": "false",
     "spark.sql.execution.arrow.pyspark.enabled": "true",
