@@ -132,6 +132,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.server)
         if _starts_subprocess(item):
             item.add_marker(pytest.mark.subprocess)
+    # The slow modules (servers, clusters, racing processes) first, each kept whole: xdist hands out
+    # the collection in halves and balances by stealing queued tests, which cannot split a long
+    # test that started last (docs/benchmarks.md, "The test suite").
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
 
 
 def _refuse_jvm(*args, **kwargs):
