@@ -10,7 +10,7 @@ from txn_engine.producers.engine import Engine
 from txn_engine.log.ingest import ingest_files
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.core.positions import Position
-from txn_engine.log.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.log.ledgers import derive_ledger_catalog, recorded_ledger_states, recorded_states_table
 from txn_engine.core.schema import CONSUMER_OFFSETS, LEDGER_ENTRIES, TXN_LOG
 
 
@@ -53,7 +53,7 @@ def test_rollover_closes_ledgers_and_ledgers_shows_them(warehouse):
     assert [p.entry_id for p in positions] == [0, 1, 0, 1, 0]
     ledger_ids = sorted({p.ledger_id for p in positions})
     assert len(ledger_ids) == 3
-    catalog = derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES), recorded_ledger_states(warehouse))
+    catalog = derive_ledger_catalog(warehouse.read(LEDGER_ENTRIES), recorded_states_table(warehouse))
     states = {r.ledger_id: r.state for r in catalog.collect()}
     assert states == {ledger_ids[0]: "CLOSED", ledger_ids[1]: "CLOSED", ledger_ids[2]: "OPEN"}
     recorded = {r.ledger_id for r in recorded_ledger_states(warehouse).filter(F.col("state") == "CLOSED").collect()}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
 import pytest
 from pyspark.sql import Row
 
@@ -40,13 +41,13 @@ def test_catalog_counts_bytes_and_states(spark):
 
 def test_known_states_override_the_derived_ones(spark):
     rows = [entry("a", 1, 0), entry("a", 2, 0), entry("a", 3, 0)]
-    known = spark.createDataFrame([("a", 1, "OFFLOADED"), ("a", 3, "CLOSED")], "topic string, ledger_id long, state string")
+    known = pa.table({"topic": ["a", "a"], "ledger_id": [1, 3], "state": ["OFFLOADED", "CLOSED"]})
     states = {r.ledger_id: r.state for r in derive_ledger_catalog(entries_df(spark, rows), known).collect()}
     assert states == {1: "OFFLOADED", 2: "CLOSED", 3: "CLOSED"}
 
 
 def test_recorded_states_latest_wins_and_reach_the_catalog(warehouse, spark):
-    from txn_engine.log.ledgers import record_ledger_states, recorded_ledger_states
+    from txn_engine.log.ledgers import record_ledger_states, recorded_ledger_states, recorded_states_table
 
     rows = [entry("a", 1, 0), entry("a", 2, 0)]
     assert recorded_ledger_states(warehouse).count() == 0  # no table yet: no recorded state
@@ -55,7 +56,7 @@ def test_recorded_states_latest_wins_and_reach_the_catalog(warehouse, spark):
     record_ledger_states(warehouse, [("a", 1, "OFFLOADED", "offloaded to cold tier")])
     recorded = {(r.topic, r.ledger_id): r.state for r in recorded_ledger_states(warehouse).collect()}
     assert recorded == {("a", 1): "OFFLOADED", ("a", 2): "CLOSED"}
-    catalog = derive_ledger_catalog(entries_df(spark, rows), recorded_ledger_states(warehouse))
+    catalog = derive_ledger_catalog(entries_df(spark, rows), recorded_states_table(warehouse))
     assert {r.ledger_id: r.state for r in catalog.collect()} == {1: "OFFLOADED", 2: "CLOSED"}
 
 

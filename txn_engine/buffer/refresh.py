@@ -43,7 +43,7 @@ from txn_engine.storage.delta_io import (
     overwrite_small,
     sql_string,
 )
-from txn_engine.log.ledgers import derive_ledger_catalog, recorded_ledger_states
+from txn_engine.log.ledgers import derive_ledger_catalog, recorded_states_table
 from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -158,7 +158,7 @@ def ledger_inventory(wh: Warehouse) -> pa.Table:
     if wh.exists(LEDGERS):
         catalog = read_catalog(wh, ["topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes"])
         return listed_ledgers(catalog).drop_columns(["state"])
-    return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_ledger_states(wh))).toArrow()
+    return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_states_table(wh))).toArrow()
 
 
 def read_catalog(wh: Warehouse, columns: list[str]) -> pa.Table:

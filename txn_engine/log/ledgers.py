@@ -36,37 +36,35 @@ def entry_size_bytes() -> F.Column:
 
 
 def derive_ledger_catalog(
-    entries: DataFrame, known_states: DataFrame | None = None, deleted: DataFrame | None = None
+    entries: DataFrame, known_states: pa.Table | None = None, deleted: pa.Table | None = None
 ) -> DataFrame:
     """One row per (topic, ledger_id) with entry range, count, bytes and state. Pure.
 
     Without other information the last ledger of a topic is OPEN (still being written) and the
     others CLOSED. `known_states` (topic, ledger_id, state), when given, overrides that: later
-    stages record OFFLOADED and DELETED there. `deleted` (the `deleted_ledgers` columns) keeps
-    listing ledgers whose entries retention removed, with their last known range and counts.
+    stages record OFFLOADED and DELETED there. `deleted` (`deleted_ledgers` rows) keeps listing
+    ledgers whose entries retention removed, with their last known range and counts. Both are
+    Arrow, as the driver reads them: a Spark frame of them would be collected back by a job.
     """
     return catalog_of_ledgers(_per_ledger(entries), known_states, deleted)
 
 
 def catalog_of_ledgers(
-    per_ledger: DataFrame, known_states: DataFrame | None = None, deleted: DataFrame | None = None
+    per_ledger: DataFrame, known_states: pa.Table | None = None, deleted: pa.Table | None = None
 ) -> DataFrame:
     """`derive_ledger_catalog` from the per-ledger rows already aggregated: (topic, ledger_id) and
     any of the catalog's columns (the others are left out of the result). Pure.
 
-    The states are `catalog_states`'s, over the three frames' keys collected (a row per ledger each);
-    Spark only attaches the other columns to the rows it decided."""
+    The states are `catalog_states`'s, over the ledgers' keys collected (a row per ledger) and the
+    two Arrow tables; Spark only attaches the other columns to the rows it decided."""
     spark = per_ledger.sparkSession
     keys = ["topic", "ledger_id"]
     per_ledger = per_ledger.localCheckpoint()  # a row per ledger, read twice: the log is scanned once
-    states = catalog_states(
-        per_ledger.select(*keys).toArrow(),
-        None if known_states is None else known_states.select(*keys, "state").toArrow(),
-        None if deleted is None else deleted.select(*keys).toArrow(),
-    )
+    states = catalog_states(per_ledger.select(*keys).toArrow(), known_states, deleted)
     rows = per_ledger.withColumn(FROM_DELETED, F.lit(False))
-    if deleted is not None:
-        rows = rows.unionByName(deleted.select(*per_ledger.columns).withColumn(FROM_DELETED, F.lit(True)))
+    if deleted is not None and deleted.num_rows:
+        gone = local_frame(spark, deleted, DELETED_LEDGERS_SCHEMA).select(*per_ledger.columns)
+        rows = rows.unionByName(gone.withColumn(FROM_DELETED, F.lit(True)))
     decided = local_frame(spark, states, f"topic string, ledger_id long, state string, {FROM_DELETED} boolean")
     catalog = rows.join(F.broadcast(decided), [*keys, FROM_DELETED]).drop(FROM_DELETED)
     catalog = catalog.withColumn("updated_at", F.current_timestamp())
@@ -178,11 +176,15 @@ def recorded_deleted_ledgers(warehouse: Warehouse) -> DataFrame:
     return recorded_ledger_states(warehouse).where(F.col("state") == "DELETED").select("topic", "ledger_id")
 
 
-def deleted_ledger_rows(warehouse: Warehouse) -> DataFrame:
+def deleted_ledgers_table(warehouse: Warehouse) -> pa.Table:
     """The `deleted_ledgers` table: the last known catalog rows of the ledgers retention deleted
-    (empty when none was)."""
-    # Small (a row per deleted ledger): read by delta-rs, as the states are.
-    return warehouse.spark.createDataFrame(DeltaTables(warehouse).read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA), DELETED_LEDGERS_SCHEMA)
+    (empty when none was). Small (a row per deleted ledger): read by delta-rs, as the states are."""
+    return DeltaTables(warehouse).read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA)
+
+
+def deleted_ledger_rows(warehouse: Warehouse) -> DataFrame:
+    """`deleted_ledgers_table` as a frame."""
+    return local_frame(warehouse.spark, deleted_ledgers_table(warehouse), DELETED_LEDGERS_SCHEMA)
 
 
 RANGES_SCHEMA = pa.schema([("topic", pa.string()), ("ledger_id", pa.int64()), ("first_entry_id", pa.int64()),
@@ -244,14 +246,14 @@ def ledger_ranges_catalog(warehouse: Warehouse, version: int | None = None) -> D
     `ledger_entries` at `version`, from `ledger_ranges`: for callers that need no bytes or times
     (offload eligibility), at a fraction of `current_ledger_catalog`'s cost."""
     ranges = warehouse.spark.createDataFrame(ledger_ranges(warehouse, version))
-    return catalog_of_ledgers(ranges, recorded_ledger_states(warehouse), deleted_ledger_rows(warehouse))
+    return catalog_of_ledgers(ranges, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
 def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None) -> DataFrame:
     """The catalog as of now: ledger_entries (or `entries`, e.g. one pinned version of it), the
     recorded states and the deleted ledgers."""
     log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
-    return derive_ledger_catalog(log, recorded_ledger_states(warehouse), deleted_ledger_rows(warehouse))
+    return derive_ledger_catalog(log, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
 def immutable_ledgers(warehouse: Warehouse) -> DataFrame:
