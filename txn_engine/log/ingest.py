@@ -773,7 +773,7 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 observation = Observation(f"ingest-{summary.ingest_id}")
                 observed = classified.observe(observation, F.call_function(TALLY, F.concat_ws(
                     _TALLY_SEP, *[F.coalesce(c.cast("string"), F.lit(_TALLY_NULL)) for c in _tally_keys(is_new)])).alias("tally"))
-                _append_new(warehouse, observed, in_position_order, None, compared=False)
+                _append_new(warehouse, observed, in_position_order, None, compared=bool(suspect))
                 appended_to = _summarize(summary, _observed_tally(observation.get["tally"]))
                 # After the append: a crash before this write is repaired by running it again, which
                 # finds the same rows to quarantine (no rule of theirs depends on the append).
@@ -798,7 +798,7 @@ def append_validated(warehouse: Warehouse, validated: DataFrame, files: list[str
                 # each is idempotent.
                 _write_quarantine_if_any(warehouse, classified, summary)
                 if summary.rows_written or not warehouse.exists(LEDGER_ENTRIES):
-                    _append_new(warehouse, classified, in_position_order, summary.rows_written)
+                    _append_new(warehouse, classified, in_position_order, summary.rows_written, compared=bool(suspect))
             if appended_to:
                 summary.entry_id_gaps = entry_id_gaps(warehouse, appended_to)
         finally:
@@ -857,9 +857,9 @@ def _write_quarantine_if_any(warehouse: Warehouse, classified: DataFrame, summar
 
 
 def _append_new(warehouse: Warehouse, classified: DataFrame, in_position_order: bool, rows: int | None,
-                compared: bool = True) -> None:
+                *, compared: bool) -> None:
     """Append the NEW rows of `classified` (`rows` of them, None when not known yet). `compared`:
-    whether `classify` compared any row by position (it did not when no ledger was suspect)."""
+    whether `classify` compared any row by position (it does when a ledger is suspect)."""
     # Files of contiguous positions, sorted: a ledger's entries sit together, so aggregates by
     # ledger and transaction combine before they shuffle, and readers skip files by their
     # ledger_id statistics (docs/benchmarks.md, "Buffer").
