@@ -79,15 +79,27 @@ def failure(args: list[str], env: dict[str, str], done: subprocess.CompletedProc
 
 # One process runs the commands in turn (`pipelines.cli.main`, as the `txnlake` script does): one
 # JVM and one cluster application for the whole pipeline; each command's output after a marker line.
+# Then, in the same application, where the executors' Python workers (the buffer kernel's, a user's
+# UDF) found the project's packages and with which interpreter.
 SESSION = """
-import json, sys
+import importlib.util, json, sys
 from pipelines.cli import main
+from resources.spark import get_spark
 for args in json.loads(sys.argv[1]):
     print("\\n@@ txnlake " + " ".join(args), flush=True)
     code = main(args)
     sys.stdout.flush()
     if code:
         sys.exit(code)
+
+def where(_):
+    import sys, txn_engine.core.positions
+    yield {"executable": sys.executable, "txn_engine": txn_engine.core.positions.__file__,
+           **{p: importlib.util.find_spec(p).origin for p in ("assets", "resources", "pipelines")}}
+
+spark = get_spark()
+seen = spark.sparkContext.parallelize(range(4), 4).mapPartitions(where).collect()
+print("\\n@@ probe\\n" + json.dumps({"driver_host": spark.conf.get("spark.driver.host"), "seen": seen}), flush=True)
 """
 
 
@@ -97,15 +109,18 @@ def txnlake_session(commands: list[list[str]], env: dict[str, str]) -> dict[str,
     done = subprocess.run([sys.executable, "-c", SESSION, json.dumps(commands)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
     assert done.returncode == 0, failure([c[0] for c in commands], env, done)
-    outputs = done.stdout.split("\n@@ txnlake ")[1:]
+    commands_out, probe = done.stdout.split("\n@@ probe\n")
+    outputs = commands_out.split("\n@@ txnlake ")[1:]
     assert len(outputs) == len(commands), done.stdout[-4000:]
-    return {command[0]: output.split("\n", 1)[1] for command, output in zip(commands, outputs)}  # after its marker line
+    return {**{command[0]: output.split("\n", 1)[1] for command, output in zip(commands, outputs)},  # after its marker line
+            "probe": probe}
 
 
 def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str], session=None) -> str:
     """ingest, run, snapshot, offload, retention (all but each topic's newest ledger), read, into the
     warehouse `extra_env` names (default: one of its own under `folder`), in one fresh process or
-    through `session` (`in_this_process`); the read's output."""
+    through `session` (`in_this_process`); the read's output and the fresh process's probe of its
+    executors (`SESSION`)."""
     from pipelines.cli import DAGSTER_YAML
 
     home = folder / "dagster_home"  # as the CLI prepares one (tests/test_cli.py): its runs and partitions only
@@ -116,7 +131,7 @@ def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, 
                                         ["retention", "--keep-ledgers", "1"], ["read", topic, "--max", "50"]], env)
     assert "FAILED" not in out["offload"] and "offloaded 0 ledger(s)" not in out["offload"], out["offload"]
     assert "nothing to do" not in out["retention"] and "deleted 0 ledger(s)" not in out["retention"], out["retention"]
-    return out["read"]
+    return out["read"], out.get("probe")
 
 
 def in_this_process(monkeypatch, capsys):
@@ -197,13 +212,24 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
 
     before = apps()
     # Local mode in this process's warm session; the cluster's commands in a process of their own.
-    local_read = run_cli_end_to_end(tmp_path / "local", str(log), topic, {}, in_this_process(monkeypatch, capsys))
+    local_read, _ = run_cli_end_to_end(tmp_path / "local", str(log), topic, {}, in_this_process(monkeypatch, capsys))
     assert apps() == before, "local mode must not touch the cluster"
     # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
     # workers), not in the driver, which this small log would otherwise take.
-    cluster_read = run_cli_end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
+    cluster_read, cluster_probe = run_cli_end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
         "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **s3_store.env("warehouse")})
     assert computed_by(tmp_path / "local") == {"driver"} and computed_by(tmp_path / "cluster") == {"spark"}
+
+    # Executors' Python workers imported this checkout's packages from the zip the driver shipped,
+    # not whatever their site-packages holds, with the driver's interpreter.
+    probe = json.loads(cluster_probe.strip())
+    assert probe["driver_host"] == "127.0.0.1"
+    assert len(probe["seen"]) == 4
+    for seen in probe["seen"]:
+        assert seen.pop("executable") == sys.executable
+        for package, origin in seen.items():
+            # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/core/positions.py
+            assert "txnlake-code-" in origin and ".zip/" in origin, (package, origin)
 
     # The cluster ran the work: the commands' application had executors on both workers, each
     # small enough for a 2 GiB worker.
@@ -234,36 +260,3 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
     leases = {key.rsplit("/", 1)[1] for key in s3_store.keys("warehouse/_internal/locks/")}
     assert {"ledger_entries.lock", "transaction_buffer.lock", "txn_snapshot_writer.lock"} <= leases, leases
 
-
-PROBE = """
-import importlib.util, json, sys
-from resources.spark import get_spark
-
-def where(_):
-    import sys, txn_engine.core.positions
-    yield {"executable": sys.executable, "txn_engine": txn_engine.core.positions.__file__,
-           **{p: importlib.util.find_spec(p).origin for p in ("assets", "resources", "pipelines")}}
-
-spark = get_spark()
-seen = spark.sparkContext.parallelize(range(4), 4).mapPartitions(where).collect()
-print(json.dumps({"driver_host": spark.conf.get("spark.driver.host"), "seen": seen}))
-spark.stop()
-"""
-
-
-def test_executors_run_the_shipped_code_with_this_python(spark_cluster, tmp_path):
-    """Executors' Python workers (the buffer kernel's, a user's UDF) import this checkout's packages
-    from the zip the driver shipped, not whatever their site-packages holds, with the driver's
-    interpreter."""
-    env = cli_env({"TXNLAKE_SPARK_MASTER": spark_cluster.url})
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT)
-    assert done.returncode == 0, done.stderr[-8000:]
-    probe = json.loads(done.stdout.splitlines()[-1])
-    assert probe["driver_host"] == "127.0.0.1"
-    assert len(probe["seen"]) == 4
-    for seen in probe["seen"]:
-        assert seen.pop("executable") == sys.executable
-        for package, origin in seen.items():
-            # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/core/positions.py
-            assert "txnlake-code-" in origin and ".zip/" in origin, (package, origin)
