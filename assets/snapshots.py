@@ -8,6 +8,7 @@ as a broker does, so a run with nothing due only refreshes the state and the rec
 
 
 import time
+from collections import Counter
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import urlparse
@@ -48,8 +49,10 @@ from txn_engine.core.schema import (
     RECOVERED_BUFFER_STATE,
     SNAPSHOT_STATES,
     STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_STATE,
+    TXN_SNAPSHOT_STATE_SCHEMA,
 )
 from txn_engine.snapshots.jobs import (
     SNAPSHOT_LOCK_TIMEOUT_S,
@@ -108,7 +111,8 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
     before = snapshot_states(entries, read_segments(wh), triggers).collect()
     wanted = {r.topic for r in before if r.due or config.force}
     # Snapshots are taken of the buffer tables' state; a topic they do not know yet waits.
-    known = {r.topic for r in wh.read(STABLE_POSITIONS).select("topic").collect()} if wh.exists(STABLE_POSITIONS) else set()
+    tables = DeltaTables(wh)  # the small tables (a row per topic) read in the driver, no Spark job
+    known = set(tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic"])["topic"].to_pylist())
     skipped = sorted(wanted - known)
     if skipped:
         context.log.warning(f"no stable position yet for {skipped[:10]}: materialize the transaction_buffer assets")
@@ -120,10 +124,10 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
     compaction = compact_segments(wh, config.vacuum_retention_hours) if config.compact and wh.exists(TXN_SNAPSHOT_SEGMENTS) else None
     states = snapshot_states(entries, read_segments(wh), triggers)
     overwrite_small(wh, TXN_SNAPSHOT_STATE, states)  # a row per topic
-    stored = wh.read(TXN_SNAPSHOT_STATE)
+    stored = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA)
     by_state = {s: 0 for s in SNAPSHOT_STATES}
-    by_state.update({r.state: r["count"] for r in stored.groupBy("state").count().collect()})
-    segments_rows = DeltaTables(wh).row_count(TXN_SNAPSHOT_SEGMENTS)
+    by_state.update(Counter(stored["state"].to_pylist()))
+    segments_rows = tables.row_count(TXN_SNAPSHOT_SEGMENTS)
     yield MaterializeResult(asset_key=TXN_SNAPSHOT_SEGMENTS, metadata=table_metadata(
         wh, TXN_SNAPSHOT_SEGMENTS, segments_rows,
         topics_snapshotted=len(summary.topics),
@@ -137,8 +141,8 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
         topics_by_state=MetadataValue.json(by_state),
         topics_skipped=MetadataValue.json(skipped),
         states=MetadataValue.md(markdown_preview(
-            stored.select("topic", "state", "snapshot_id", "segment_count", "abort_count", "changes_since_snapshot",
-                          "due").orderBy("topic"), limit=50)),
+            stored.select(["topic", "state", "snapshot_id", "segment_count", "abort_count", "changes_since_snapshot",
+                           "due"]).sort_by("topic"), limit=50)),
     ))
 
 
