@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from resources.spark import SMALL_LOG_SPARK_CONF
+from tests.jvm_options import SUBPROCESS_JVM_OPTIONS
 
 # Sized for the suite on 2 cores: small shuffles, a modest heap (TXNLAKE_TEST_DRIVER_MEMORY
 # lowers it when several suites share the machine).
@@ -33,17 +34,11 @@ TEST_SPARK_CONF = {
 }
 
 
-# The JVMs the tests start in other processes (CLI runs, racing writers, a cluster's daemons and
-# executors) live for seconds to a minute, often several at once, where the JIT's optimizing tier
-# costs CPU the suite lacks: its first tier only, as for the Kafka broker. This process's JVM lives
-# for the whole run and keeps both tiers (docs/benchmarks.md, "The test suite").
-SUBPROCESS_JVM_OPTIONS = "-XX:TieredStopAtLevel=1"
-
-
 @pytest.fixture(scope="session")
 def spark():
     from resources.spark import get_spark
 
+    # This process's JVM lives for the whole run and keeps both JIT tiers (tests/jvm_options.py).
     for_subprocesses = os.environ.pop("SPARK_SUBMIT_OPTS", None)
     try:
         return get_spark(conf=TEST_SPARK_CONF)
@@ -165,7 +160,7 @@ def pytest_configure(config):
         SparkSession.Builder.getOrCreate = _refuse_jvm  # a misfiled test fails at once, not slowly
 
     os.environ.setdefault("TXNLAKE_SPARK_LOG_LEVEL", "ERROR")
-    # Read by spark-submit for the driver JVM it starts.
+    # Read by spark-submit for the driver JVM it starts (tests/jvm_options.py).
     os.environ["SPARK_SUBMIT_OPTS"] = " ".join(filter(None, [os.environ.get("SPARK_SUBMIT_OPTS"), SUBPROCESS_JVM_OPTIONS]))
     # Runs made by the tests go to a throwaway Dagster instance, not the repository's.
     config._txnlake_dagster_home = os.environ["DAGSTER_HOME"] = tempfile.mkdtemp(prefix="txnlake-dagster-home-")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from resources.kafka_jars import require_kafka_jars
+from tests.jvm_options import SUBPROCESS_JVM_OPTIONS
 
 # Small segments, so that one test's workload spans several segments per partition. Kafka 4
 # refuses `segment.bytes` under 1 MiB; this internal topic setting is the way for tests.
@@ -98,7 +99,7 @@ def running_broker(root: Path) -> Iterator[Broker]:
     config.write_text("".join(f"{k}={v}\n" for k, v in settings.items()))
     classpath = ":".join(str(p) for p in require_kafka_jars())
     # A small heap and the client JIT: the broker shares 2 cores with Spark.
-    java = ["java", "-Xmx384m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-cp", classpath]
+    java = ["java", "-Xmx384m", "-XX:+UseSerialGC", SUBPROCESS_JVM_OPTIONS, "-cp", classpath]
     cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
     out = root / "broker.log"
     subprocess.run(java + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import pyspark
 
+from tests.jvm_options import SUBPROCESS_JVM_OPTIONS
+
 SPARK_CLASS = Path(pyspark.__file__).parent / "bin" / "spark-class"
 MASTER = "org.apache.spark.deploy.master.Master"
 WORKER = "org.apache.spark.deploy.worker.Worker"
@@ -139,9 +141,8 @@ def standalone_cluster(folder: Path, workers: int = 2, cores: int = 1, memory: s
     """A master and `workers` workers of `cores` cores and `memory` each, on 127.0.0.1, logs and
     worker dirs under `folder`; all registered on entry, all processes gone on exit."""
     folder.mkdir(parents=True, exist_ok=True)
-    # JDK_JAVA_OPTIONS reaches the daemons and the executors they start (tests/conftest.py,
-    # SUBPROCESS_JVM_OPTIONS); each JVM notes it in its own log.
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "JDK_JAVA_OPTIONS": os.environ.get("SPARK_SUBMIT_OPTS", "")}
+    # JDK_JAVA_OPTIONS reaches the daemons and the executors they start; each JVM notes it in its own log.
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "JDK_JAVA_OPTIONS": SUBPROCESS_JVM_OPTIONS}
     # Nothing of the caller's Spark setup (a conf dir with spark-defaults.conf, ports): only the arguments.
     for inherited in ("SPARK_CONF_DIR", "SPARK_WORKER_DIR", "SPARK_MASTER_HOST", "SPARK_MASTER_PORT", "SPARK_WORKER_PORT"):
         env.pop(inherited, None)
