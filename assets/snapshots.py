@@ -37,16 +37,17 @@ from dagster import (
 )
 import pyarrow.compute as pc
 from pydantic import Field
-from pyspark.sql import functions as F
 
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.core.schema import (
     ABORTED_TXNS,
+    DELETED_LEDGERS,
     LEDGER_ENTRIES,
     RECOVERED_BUFFER_STATE,
+    RECOVERED_BUFFER_STATE_SCHEMA,
     SNAPSHOT_STATES,
     STABLE_POSITIONS,
     STABLE_POSITIONS_SCHEMA,
@@ -58,11 +59,11 @@ from txn_engine.snapshots.jobs import (
     SNAPSHOT_LOCK_TIMEOUT_S,
     TriggerConfig,
     compact_segments,
+    current_snapshot_states,
     full_replay_states,
-    read_segments,
     recovery_mismatches,
     snapshot_lock,
-    snapshot_states,
+    snapshots_in_driver,
     write_snapshots,
 )
 from txn_engine.snapshots.recovery import recover_to_warehouse, stale_recovery
@@ -107,9 +108,9 @@ def txn_snapshot_segments(context: AssetExecutionContext, config: SnapshotRunCon
 def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, wh: Warehouse,
                     segment_config: SnapshotConfig):
     triggers = TriggerConfig(config.max_changes, config.interval_seconds)
-    entries = wh.read(LEDGER_ENTRIES)
-    before = snapshot_states(entries, read_segments(wh), triggers).collect()
-    wanted = {r.topic for r in before if r.due or config.force}
+    compute = "driver" if snapshots_in_driver(wh) else "spark"  # one way for the whole run
+    before = current_snapshot_states(wh, triggers, compute=compute).to_pylist()
+    wanted = {r["topic"] for r in before if r["due"] or config.force}
     # Snapshots are taken of the buffer tables' state; a topic they do not know yet waits.
     tables = DeltaTables(wh)  # the small tables (a row per topic) read in the driver, no Spark job
     known = set(tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic"])["topic"].to_pylist())
@@ -118,12 +119,12 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
         context.log.warning(f"no stable position yet for {skipped[:10]}: materialize the transaction_buffer assets")
     due = sorted(wanted & known)
     for row in before:
-        if row.topic in due:
-            context.log.info(f"snapshot {row.topic}: {row.due_reason or 'forced'}")
-    summary = write_snapshots(wh, due, segment_config)
-    compaction = compact_segments(wh, config.vacuum_retention_hours) if config.compact and wh.exists(TXN_SNAPSHOT_SEGMENTS) else None
-    states = snapshot_states(entries, read_segments(wh), triggers)
-    overwrite_small(wh, TXN_SNAPSHOT_STATE, states)  # a row per topic
+        if row["topic"] in due:
+            context.log.info(f"snapshot {row['topic']}: {row['due_reason'] or 'forced'}")
+    summary = write_snapshots(wh, due, segment_config, compute=compute)
+    compaction = compact_segments(wh, config.vacuum_retention_hours, compute=compute) \
+        if config.compact and wh.exists(TXN_SNAPSHOT_SEGMENTS) else None
+    tables.overwrite(TXN_SNAPSHOT_STATE, current_snapshot_states(wh, triggers, compute=compute), TXN_SNAPSHOT_STATE_SCHEMA)
     stored = tables.read(TXN_SNAPSHOT_STATE, TXN_SNAPSHOT_STATE_SCHEMA)
     by_state = {s: 0 for s in SNAPSHOT_STATES}
     by_state.update(Counter(stored["state"].to_pylist()))
@@ -135,6 +136,7 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
         tombstones_written=summary.tombstones,
         segments_per_topic=MetadataValue.json(summary.segments_per_topic),
         rows_before_compaction=compaction.rows_before if compaction else segments_rows,
+        computed_by=compute,
     ))
     yield MaterializeResult(asset_key=TXN_SNAPSHOT_STATE, metadata=table_metadata(
         wh, TXN_SNAPSHOT_STATE, sum(by_state.values()),
@@ -152,10 +154,14 @@ def _take_snapshots(context: AssetExecutionContext, config: SnapshotRunConfig, w
 def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
     wh = warehouse.open(spark.session())
     recovery = recover_to_warehouse(wh)  # in the driver, as a broker recovers (docs/snapshots.md)
-    stored = wh.read(RECOVERED_BUFFER_STATE)
-    summary = stored.groupBy("source").agg(F.count("*").alias("topics"), F.sum("replayed_entries").alias("replayed"))
-    by_source = {r.source: {"topics": r.topics, "replayed_entries": int(r.replayed or 0)} for r in summary.collect()}
-    reasons = [f"{r.topic}: {r.fallback_reason}" for r in stored.where("source = 'FULL_REPLAY'").limit(20).collect()]
+    stored = DeltaTables(wh).read(RECOVERED_BUFFER_STATE, RECOVERED_BUFFER_STATE_SCHEMA,
+                                  ["topic", "source", "fallback_reason", "replayed_entries"]).to_pylist()  # a row per topic
+    by_source: dict[str, dict[str, int]] = {}
+    for r in stored:
+        counts = by_source.setdefault(r["source"], {"topics": 0, "replayed_entries": 0})
+        counts["topics"] += 1
+        counts["replayed_entries"] += r["replayed_entries"] or 0
+    reasons = [f"{r['topic']}: {r['fallback_reason']}" for r in stored if r["source"] == "FULL_REPLAY"][:20]
     return MaterializeResult(metadata=table_metadata(
         wh, RECOVERED_BUFFER_STATE,
         by_source=MetadataValue.json(by_source), full_replay_reasons=MetadataValue.json(reasons),
@@ -195,8 +201,6 @@ def snapshots_pending(wh: Warehouse, triggers: TriggerConfig = TriggerConfig(), 
     """Why a `take_snapshots` run (not forced) has work, empty when it would change nothing: its
     tables exist, no topic is due now by `triggers` (the state's changes and last snapshot time) or
     unfinished, and nothing it reads changed after the state and recovery it wrote. Read by delta-rs."""
-    from txn_engine.core.schema import DELETED_LEDGERS, TXN_SNAPSHOT_STATE_SCHEMA
-
     now = time.time() if now is None else now
 
     tables = DeltaTables(wh)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from datetime import datetime, timezone
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -28,7 +29,7 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
-from txn_engine.snapshots.jobs import ENDS, PARTS, TriggerConfig, compact_segments, compacted_segments, read_segments, recover_from_warehouse, snapshot_lock, snapshot_states, write_snapshots
+from txn_engine.snapshots.jobs import ENDS, PARTS, TriggerConfig, compact_segments, compacted_segments, current_snapshot_states, read_segments, recover_from_warehouse, snapshot_lock, snapshot_states, write_snapshots
 from txn_engine.snapshots.recovery import DriverLimits, recover_to_warehouse
 from txn_engine.reference.snapshots import Crash, SnapshotSegment, compacted_rows, recover, split_snapshot
 from txn_engine.snapshots.format import ABORT_BYTES, SEGMENT_ENVELOPE_BYTES, SnapshotConfig, SnapshotError, Source
@@ -115,12 +116,16 @@ def assert_all_recover(warehouse, entries, expect_source: dict[str, str] | None 
 
 # -- the writer ---------------------------------------------------------------------------------
 
-def test_writer_cuts_segments_like_the_reference(warehouse):
+@pytest.mark.parametrize("compute", ["driver", "spark"])
+def test_writer_cuts_segments_like_the_reference(warehouse, compute):
+    """Both ways a snapshot run goes, the rules of `snapshots.segments` in the driver or on Spark:
+    the cut, the write order, the tombstones and the compaction, each against the reference."""
     entries = aborted_history("big", 7) + aborted_history("small", 2, first_ledger=200) + \
         [LogEntry("none", 300, 0, "DATA", 1, 1), LogEntry("none", 300, 1, "COMMIT", 1, 1)]
+    store_log(warehouse, entries)
     summary = snapshot(warehouse, entries, ["big", "small", "none"], SnapshotConfig(max_aborts_per_segment=3),
-                       snapshot_ids={"big": 11, "small": 12, "none": 13})
-    assert summary.segments_per_topic == {"big": 3, "small": 1, "none": 1}
+                       snapshot_ids={"big": 11, "small": 12, "none": 13}, compute=compute)
+    assert (summary.segments_per_topic, summary.computed_by) == ({"big": 3, "small": 1, "none": 1}, compute)
     rows = {r.snapshot_key: r for r in read_segments(warehouse).collect()}
     assert set(rows) == {"big-1", "big-2", "big-end", "small-end", "none-end"}
     for topic, sid in (("big", 11), ("small", 12), ("none", 13)):
@@ -135,6 +140,15 @@ def test_writer_cuts_segments_like_the_reference(warehouse):
                 (sid, seg.segment_index, seg.segment_count, seg.abort_count, False)
     # Parts are written before ends: every end has a higher write_seq than its parts.
     assert rows["big-end"].write_seq > max(rows["big-1"].write_seq, rows["big-2"].write_seq)
+    # A shorter snapshot of big tombstones its stale part; compaction keeps the reference's rows.
+    again = snapshot(warehouse, entries, ["big"], SnapshotConfig(max_aborts_per_segment=5), compute=compute)
+    assert (again.segments_per_topic, again.tombstones) == ({"big": 2}, 1)
+    written = stored_rows(warehouse)
+    assert [(r.snapshot_key, r.tombstone) for r in written if r.write_seq == max(s.write_seq for s in written)] == \
+        [("big-2", True)]
+    compact_segments(warehouse, vacuum_retention_hours=None, optimize=False, compute=compute)
+    assert sorted(r.write_seq for r in stored_rows(warehouse)) == sorted(r.write_seq for r in compacted_rows(written))
+    assert_all_recover(warehouse, entries, expect_source={"big": "SNAPSHOT", "small": "SNAPSHOT", "none": "SNAPSHOT"})
 
 
 def test_writer_refuses_a_topic_without_stable_position(warehouse):
@@ -192,6 +206,14 @@ def test_named_scenarios_recover_to_the_full_replay(warehouse):
     # The leak: the old, longer snapshot's stale keys are tombstoned, then compacted away.
     latest = {r.snapshot_key: r for r in read_segments(warehouse).orderBy("write_seq").collect()}
     assert all(latest[f"leak-{i}"].tombstone for i in (2, 3, 4) if f"leak-{i}" in latest)
+    # The per-topic state in the driver and on Spark at one instant: one rule, either runner.
+    now = datetime.now(timezone.utc)
+    driver, on_spark = (current_snapshot_states(warehouse, TriggerConfig(), now, compute=c).to_pylist()
+                        for c in ("driver", "spark"))
+    assert driver == on_spark
+    assert {r["topic"]: (r["state"], r["due"]) for r in driver} == {
+        "normal": ("READY", False), "crashed": ("INITIALIZING", True), "trimmed": ("READY", False),
+        "leak": ("READY", False), "before": ("READY", False), "never": ("NO_SNAPSHOT", True)}
     # Crash during compaction: nothing changes; then a real compaction.
     version = warehouse.version(TXN_SNAPSHOT_SEGMENTS)
     with pytest.raises(Crash):

@@ -111,6 +111,14 @@ INDEX_COLUMNS = ("topic", "snapshot_key", "write_seq", "tombstone", "snapshot_id
 ABORT_SIZE = "abort_size"
 
 
+def indexed_rows(segments: pa.Table, extra: tuple[str, ...] = ()) -> pa.Table:
+    """What `live_snapshot_index` reads of stored segment rows (and `extra` columns): `INDEX_COLUMNS`,
+    `BAD_REASON` and `ABORT_SIZE`, without the aborts."""
+    aborts = _array(segments.column("aborts"))
+    return segments.select([*INDEX_COLUMNS, *extra]).append_column(BAD_REASON, bad_row_reasons(segments)).append_column(
+        ABORT_SIZE, pc.list_value_length(aborts))
+
+
 @dataclass(frozen=True)
 class IndexedSnapshot:
     """One topic of the snapshot index: its live snapshot (rows: parts in order, then the end), or why none."""

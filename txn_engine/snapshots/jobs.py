@@ -1,17 +1,15 @@
-"""Transaction-buffer snapshots on Spark: write segments, compact them, recover from them.
+"""Transaction-buffer snapshots: write segments, compact them, keep the per-topic state, recover.
 
-The same design as the reference `txn_engine.reference.snapshots` (the oracle; docs/snapshots.md):
-- `snapshot_segments` cuts each topic's abort set into segments; `write_snapshots` writes the
-  parts, then every `topic-end`, then tombstones for stale numbered keys, each step its own Delta
-  commit under the table's writer lock (write_seq allocated under it: unique and increasing);
-- `compacted_segments` is the compaction rule, `compact_segments` applies it in one commit;
-- `recover_buffer_states`: the live snapshot by its index, its aborts minus those of DELETED
-  ledgers, plus a replay of the tail; topics without a usable snapshot are replayed in full. Each
-  topic's replay is `snapshots.replay.replay_topic` in a Python worker, the function the driver's
-  recovery (`snapshots.recovery`) calls: the asset recovers in the driver, this plan is its
-  fallback for a large tail, and what the tests hold it equal to;
-- `snapshot_states`: per-topic state (NO_SNAPSHOT / INITIALIZING / READY) and the triggers'
-  verdict (`snapshots.triggers`).
+The same design as the reference `txn_engine.reference.snapshots` (the oracle; docs/snapshots.md).
+Each rule is stated once over Arrow (`snapshots.segments`, `snapshots.index`, `snapshots.replay`);
+this module runs a snapshot run's work in the driver on delta-rs for a log that fits the driver,
+else on Spark (`snapshots_in_driver`, the `compute` setting):
+- `write_snapshots` writes the parts, then every `topic-end`, then tombstones for stale numbered
+  keys, each step its own Delta commit under the table's writer lock (write_seq allocated under
+  it: unique and increasing); `compact_segments` applies the compaction rule in one commit;
+- `snapshot_states` / `current_snapshot_states`: per-topic state and the triggers' verdict;
+- `recover_buffer_states`: recovery on Spark, the fallback of the driver's (`snapshots.recovery`)
+  for a large tail, and what the tests hold it equal to.
 """
 
 from __future__ import annotations
@@ -24,66 +22,55 @@ from datetime import datetime, timezone
 from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
-from pyspark.sql import Column, DataFrame, Window
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.functions import arrow_udf
 from pyspark.sql import types as T
-from pyspark.sql.types import BooleanType, IntegerType, StringType
+from pyspark.sql.types import StringType
 
+from txn_engine.buffer import kernel
 from txn_engine.buffer.kernel import NARROW_COLUMNS, require_ledger_entries
 from txn_engine.log.spark_columns import conform, has_txn, is_marker
-from txn_engine.storage.arrow_frames import local_frame
-from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.storage.arrow_frames import arrow_schema, local_frame
+from txn_engine.storage.delta_io import DeltaTables, aggregate_batches
 from txn_engine.log.ledgers import recorded_deleted_ledgers
 from txn_engine.core.positions import Position
 from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORT_STRUCT,
     ABORTED_TXNS,
+    ABORTED_TXNS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRY_COLUMNS,
     RECOVERED_BUFFER_STATE,
     RECOVERED_BUFFER_STATE_SCHEMA,
     STABLE_POSITIONS,
+    STABLE_POSITIONS_SCHEMA,
     TXN_SNAPSHOT_SEGMENTS,
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
     TXN_SNAPSHOT_STATE_SCHEMA,
 )
 from txn_engine.snapshots.index import (ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, RULE_COLUMNS, bad_row_reasons_of,
-                                        end_keys, live_snapshot_index, part_numbers)
-from txn_engine.snapshots.index import live_ends as live_ends_of
-from txn_engine.snapshots.triggers import TriggerConfig, due_reasons
-from txn_engine.snapshots.replay import after_snapshot, anchor_position, full_replay_rows, replayed_rows
-from txn_engine.snapshots.format import ABORT_BYTES, END_SUFFIX, SnapshotConfig, Source, segment_bytes
+                                        indexed_rows, live_snapshot_index)
+from txn_engine.snapshots.segments import (ABORTED_COLUMNS, SEGMENTS_SCHEMA, UNNUMBERED_SCHEMA, Planned, compaction_keeps,
+                                           cut_segments, snapshot_state_table, stale_parts, usable_positions, write_seqs)
+from txn_engine.snapshots.triggers import TriggerConfig
+from txn_engine.snapshots.replay import (SNAPSHOT_ENTRY, SNAPSHOT_LEDGER, after_snapshot, anchor_position,
+                                         full_replay_rows, replayed_rows)
+from txn_engine.snapshots.format import SnapshotConfig, Source
 from txn_engine.storage.warehouse import Warehouse, elements_as, retry_delta_conflicts, stored_frame
 
 # The writer's steps, in order; `after_commit` hooks receive them (tests inject crashes there).
 PARTS, ENDS, TOMBSTONES = "parts", "ends", "tombstones"
 
 
-def _empty_aborts() -> Column:
-    return F.array().cast(f"array<{ABORT_STRUCT.simpleString()}>")
-
-
 # -- keys ---------------------------------------------------------------------------------------
 
-# The part number and the bad-row rules run as Arrow UDFs: the functions the driver's recovery
-# calls (`snapshots.index`). Not mapInArrow: PySpark builds it on pandas_udf, which needs pandas.
-_part_number = arrow_udf(part_numbers, IntegerType())
+# The bad-row rules run as an Arrow UDF: the function the driver's recovery calls
+# (`snapshots.index`). Not mapInArrow: PySpark builds it on pandas_udf, which needs pandas.
 _bad_row_reason = arrow_udf(bad_row_reasons_of, StringType())
-
-
-_end_key = arrow_udf(end_keys, BooleanType())
-
-
-def is_end_key() -> Column:
-    """Whether the row's key is its topic's `topic-end` (`index.end_keys`)."""
-    return _end_key(F.col("topic"), F.col("snapshot_key"))
-
-
-def part_number() -> Column:
-    """The number of a `topic-i` key, null for `topic-end` and for keys of no topic."""
-    return _part_number(F.col("topic"), F.col("snapshot_key"))
 
 
 def checked_segments(segments: DataFrame) -> DataFrame:
@@ -95,6 +82,23 @@ def checked_segments(segments: DataFrame) -> DataFrame:
 
 
 _ROW = "_row"
+
+
+def _abort_size():
+    """`index.ABORT_SIZE` on Spark: the aborts a row holds, null when its array is."""
+    return F.when(F.col("aborts").isNull(), F.lit(None)).otherwise(F.size("aborts")).alias(ABORT_SIZE)
+
+
+# -- where snapshot work runs -------------------------------------------------------------------
+
+def snapshots_in_driver(warehouse: Warehouse, compute: str | None = None) -> bool:
+    """Whether a snapshot run (its states, writes and compaction) runs in the driver on delta-rs:
+    `compute` (default: the warehouse's `compute` setting) says so, or it is auto and the log fits
+    the full-run bound (the state reads the log's narrow columns; the abort sets are smaller)."""
+    compute = (compute or warehouse.settings.compute).lower()
+    if compute != "auto":
+        return compute == "driver"
+    return DeltaTables(warehouse).stored_bytes(LEDGER_ENTRIES) <= warehouse.settings.driver_full_run_max_bytes
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -131,59 +135,22 @@ def snapshot_lock(wh: Warehouse, timeout_s: float = SNAPSHOT_LOCK_TIMEOUT_S) -> 
             held.discard(path)
 
 
-def snapshot_segments(aborted: DataFrame, stable: DataFrame, snapshot_ids: DataFrame, config: SnapshotConfig) -> DataFrame:
-    """The segments (no write_seq yet) of a snapshot of each topic in `snapshot_ids` (topic, snapshot_id).
+UNNUMBERED_STRUCT = T.StructType([f for f in TXN_SNAPSHOT_SEGMENTS_SCHEMA.fields if f.name in UNNUMBERED_SCHEMA.names])
 
-    `aborted` has the `aborted_txns` columns and `stable` the `stable_positions` ones: together the
-    state a broker's buffer holds. A topic in `snapshot_ids` with no aborts gets `topic-end` alone.
-    """
-    ids = F.broadcast(snapshot_ids.select("topic", F.col("snapshot_id").cast("long")))
-    # `SnapshotConfig.segment_capacity` on Spark, in longs (a segment size of a TiB overflows an int
-    # before the bound by aborts applies); write_snapshots has refused topics where it is below 1.
-    capacity = F.least(
-        F.lit(config.max_aborts_per_segment).cast("long"),
-        F.floor((F.lit(config.max_segment_bytes).cast("long") - F.lit(segment_bytes("", 0)) - 2 * F.octet_length("topic"))
-                / ABORT_BYTES).cast("long"),
-    )
-    in_order = Window.partitionBy("topic").orderBy("abort_ledger_id", "abort_entry_id")
-    numbered = (
-        aborted.join(ids, "topic")
-        .withColumn("_n", F.row_number().over(in_order) - 1)
-        .withColumn("_capacity", capacity)
-        .withColumn("segment_index", (F.floor(F.col("_n") / F.col("_capacity")) + 1).cast("int"))
-    )
-    parts = numbered.groupBy("topic", "snapshot_id", "segment_index").agg(
-        # (n, abort) sorted by n: the abort-marker order inside the segment.
-        F.array_sort(F.collect_list(F.struct(
-            F.col("_n"), F.struct(F.col("txn_most_bits"), F.col("txn_least_bits"),
-                                  F.col("abort_ledger_id").alias("ledger_id"), F.col("abort_entry_id").alias("entry_id"))
-            .alias("a")))).alias("_sorted")
-    ).select("topic", "snapshot_id", "segment_index", F.transform("_sorted", lambda s: s["a"]).alias("aborts"))
-    totals = numbered.groupBy("topic").agg(F.count("*").alias("abort_count"), F.max("_capacity").alias("_capacity"))
-    per_topic = (
-        ids.join(totals, "topic", "left")
-        .join(stable.select("topic", "max_read_ledger_id", "max_read_entry_id"), "topic", "left")
-        .select("topic", "snapshot_id", F.coalesce("abort_count", F.lit(0)).alias("abort_count"),
-                F.greatest(F.lit(1), F.ceil(F.coalesce("abort_count", F.lit(0)) / F.col("_capacity"))).cast("int")
-                .alias("segment_count"),
-                "max_read_ledger_id", "max_read_entry_id")
-    )
-    # Every topic has its end, aborts or not: the right outer join brings the empty ones.
-    segments = parts.join(per_topic, ["topic", "snapshot_id"], "right").withColumn(
-        "segment_index", F.coalesce("segment_index", "segment_count")
-    )
-    is_end = F.col("segment_index") == F.col("segment_count")
-    return segments.select(
-        F.when(is_end, F.concat("topic", F.lit(f"-{END_SUFFIX}")))
-        .otherwise(F.concat("topic", F.lit("-"), F.col("segment_index").cast("string"))).alias("snapshot_key"),
-        "topic",
-        F.when(is_end, F.col("max_read_ledger_id")).otherwise(F.lit(-1)).alias("max_read_ledger_id"),
-        F.when(is_end, F.col("max_read_entry_id")).otherwise(F.lit(-1)).alias("max_read_entry_id"),
-        F.coalesce("aborts", _empty_aborts()).alias("aborts"),
-        F.lit(None).cast("long").alias("write_seq"),
-        "snapshot_id", "segment_index", "segment_count", "abort_count",
-        F.lit(False).alias("tombstone"),
-    )
+
+def _cut_groups(plan: dict[str, Planned], config: SnapshotConfig) -> Callable[[pa.Table], pa.Table]:
+    """`cut_segments` of the topic of one Spark group (typed: PySpark picks the Arrow UDF by its hints)."""
+    def cut(aborted: pa.Table) -> pa.Table:
+        return cut_segments(aborted, plan, config, topics=pc.unique(aborted["topic"]).to_pylist())
+    return cut
+
+
+def snapshot_segments(aborted: DataFrame, plan: dict[str, Planned], config: SnapshotConfig) -> DataFrame:
+    """On Spark, the segments (no write_seq yet) of a snapshot of each planned topic that has aborts
+    in `aborted` (the `aborted_txns` columns): `segments.cut_segments` per topic in a Python worker."""
+    topics = sorted(plan)
+    return (aborted.where(F.col("topic").isin(topics)).select(*ABORTED_COLUMNS).groupBy("topic")
+            .applyInArrow(_cut_groups(plan, config), UNNUMBERED_STRUCT))
 
 
 @dataclass
@@ -194,6 +161,7 @@ class SnapshotWriteSummary:
     tombstones: int
     commits: int
     segments_per_topic: dict[str, int] = field(default_factory=dict)
+    computed_by: str = "driver"  # or "spark" (`snapshots_in_driver`)
 
 
 def write_snapshots(
@@ -205,8 +173,10 @@ def write_snapshots(
     parts_per_commit: int | None = None,
     after_commit: Callable[[str, int], None] | None = None,
     snapshot_ids: dict[str, int] | None = None,
+    compute: str | None = None,
 ) -> SnapshotWriteSummary:
-    """Take a snapshot of each of `topics`, from `aborted_txns` and `stable_positions` by default.
+    """Take a snapshot of each of `topics`, from `aborted_txns` and `stable_positions` by default,
+    in the driver or on Spark (`snapshots_in_driver`).
 
     Write order: the parts (in commits of `parts_per_commit` part numbers, all in one by default),
     then every `topic-end` in one commit, then the tombstones. `after_commit(step, rows)` runs after
@@ -221,36 +191,60 @@ def write_snapshots(
     if not topics:
         return SnapshotWriteSummary([], {}, 0, 0, 0)
     with snapshot_lock(warehouse):  # no compaction between this snapshot's parts and its end
-        return _write_snapshots(warehouse, topics, config, aborted, stable, parts_per_commit, after_commit, snapshot_ids)
+        return _write_snapshots(warehouse, topics, config, aborted, stable, parts_per_commit, after_commit, snapshot_ids,
+                                snapshots_in_driver(warehouse, compute))
+
+
+def _max_read_positions(warehouse: Warehouse, stable: DataFrame | None, topics: list[str]) -> dict[str, tuple]:
+    """Per topic of `topics` with a stable position, its max read position (a row per topic)."""
+    columns = ["topic", "max_read_ledger_id", "max_read_entry_id"]
+    if stable is None:
+        rows = DeltaTables(warehouse).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, columns).to_pylist()
+    else:
+        rows = [r.asDict() for r in stable.where(F.col("topic").isin(topics)).select(*columns).collect()]
+    wanted = set(topics)
+    return {r["topic"]: (r["max_read_ledger_id"], r["max_read_entry_id"]) for r in rows if r["topic"] in wanted}
 
 
 def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotConfig, aborted: DataFrame | None,
                      stable: DataFrame | None, parts_per_commit: int | None,
                      after_commit: Callable[[str, int], None] | None,
-                     snapshot_ids: dict[str, int] | None) -> SnapshotWriteSummary:
-    spark = warehouse.spark
-    aborted = aborted if aborted is not None else warehouse.read(ABORTED_TXNS)
-    stable = stable if stable is not None else warehouse.read(STABLE_POSITIONS)
-    known = {r.topic for r in stable.select("topic").where(F.col("topic").isin(topics)).collect()}
-    if set(topics) - known:
+                     snapshot_ids: dict[str, int] | None, in_driver: bool) -> SnapshotWriteSummary:
+    positions = _max_read_positions(warehouse, stable, topics)
+    if set(topics) - set(positions):
         raise ValueError(
-            f"no stable position for topic(s) {sorted(set(topics) - known)[:5]}; materialize stable_positions "
+            f"no stable position for topic(s) {sorted(set(topics) - set(positions))[:5]}; materialize stable_positions "
             "(the transaction_buffer assets) after ingesting their entries, then snapshot again"
         )
     for topic in topics:
         config.segment_capacity(topic)  # a topic whose segment cannot hold one abort fails here, before any write
-    if warehouse.exists(TXN_SNAPSHOT_SEGMENTS):
-        warehouse.read(TXN_SNAPSHOT_SEGMENTS)  # an older txnlake's log is refused (`txnlake migrate`), before any write
+    tables = DeltaTables(warehouse)
+    tables.exists(TXN_SNAPSHOT_SEGMENTS)  # refuses an older txnlake's log (`txnlake migrate`), before any write
     ids = dict(snapshot_ids or {})
     for topic in topics:
         ids.setdefault(topic, secrets.randbits(62) + 1)  # unique per snapshot; order comes from write_seq
-    id_frame = local_frame(spark, sorted(ids.items()), "topic string, snapshot_id long").where(F.col("topic").isin(topics))
-    segments = snapshot_segments(aborted, stable, id_frame, config).localCheckpoint()
-    counts = {r.topic: r.segment_count for r in segments.select("topic", "segment_count").distinct().collect()}
+    plan = {t: Planned(ids[t], *positions[t]) for t in topics}
+    segments: pa.Table | DataFrame
+    if in_driver:
+        if aborted is None:
+            rows = tables.read(ABORTED_TXNS, ABORTED_TXNS_SCHEMA, list(ABORTED_COLUMNS))
+        else:
+            rows = aborted.where(F.col("topic").isin(topics)).select(*ABORTED_COLUMNS).toArrow()
+        segments = cut_segments(rows, plan, config)
+        counts = dict(zip(segments["topic"].to_pylist(), segments["segment_count"].to_pylist()))
+    else:
+        cut = snapshot_segments(aborted if aborted is not None else warehouse.read(ABORTED_TXNS), plan, config)
+        counts = {r.topic: r.segment_count for r in cut.select("topic", "segment_count").distinct().collect()}
+        alone = [t for t in topics if t not in counts]  # no aborts: `topic-end` alone, cut in the driver
+        if alone:
+            ends = cut_segments(pa.table({c: [] for c in ABORTED_COLUMNS}, schema=_ABORTED_ARROW), plan, config, alone)
+            cut = cut.unionByName(local_frame(warehouse.spark, ends, UNNUMBERED_STRUCT))
+            counts.update({t: 1 for t in alone})
+        segments = cut.withColumn(_ROW, F.monotonically_increasing_id()).localCheckpoint()
     commits = 0
     written = 0
 
-    def commit(step: str, rows: DataFrame) -> None:
+    def commit(step: str, rows: pa.Table | DataFrame) -> None:
         nonlocal commits, written
         n = _append_with_write_seq(warehouse, rows)
         commits += 1
@@ -258,95 +252,83 @@ def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotCo
         if after_commit:
             after_commit(step, n)
 
-    parts = segments.where(F.col("segment_index") < F.col("segment_count"))
     highest = max(counts.values()) - 1
     step = parts_per_commit or max(highest, 1)
     for first in range(1, highest + 1, step):
-        commit(PARTS, parts.where(F.col("segment_index").between(first, first + step - 1)))
-    commit(ENDS, segments.where(F.col("segment_index") == F.col("segment_count")))
+        commit(PARTS, _segments_where(segments, first, min(first + step - 1, highest)))
+    commit(ENDS, _segments_where(segments, None, None))
     tombstones = _write_tombstones(warehouse, ids, counts)
     commits += 1 if tombstones else 0
     if after_commit and tombstones:
         after_commit(TOMBSTONES, tombstones)
-    return SnapshotWriteSummary(topics, {t: ids[t] for t in topics}, written, tombstones, commits, counts)
+    return SnapshotWriteSummary(topics, {t: ids[t] for t in topics}, written, tombstones, commits, counts,
+                                "driver" if in_driver else "spark")
 
 
-def _append_with_write_seq(warehouse: Warehouse, rows: DataFrame) -> int:
-    """Append segment rows with write_seq after every existing one, read and committed under the lock."""
+_ABORTED_ARROW = pa.schema([arrow_schema(ABORTED_TXNS_SCHEMA).field(c) for c in ABORTED_COLUMNS])
+
+
+def _segments_where(segments: pa.Table | DataFrame, first: int | None, last: int | None) -> pa.Table | DataFrame:
+    """The parts numbered `first`..`last`, or with no bounds the ends (`segment_index` == `segment_count`)."""
+    if isinstance(segments, DataFrame):
+        if first is None:
+            return segments.where(F.col("segment_index") == F.col("segment_count"))
+        return segments.where((F.col("segment_index") < F.col("segment_count"))
+                              & F.col("segment_index").between(first, last))
+    index, count = segments["segment_index"], segments["segment_count"]
+    if first is None:
+        return segments.filter(pc.equal(index, count))
+    return segments.filter(pc.and_(pc.less(index, count),
+                                   pc.and_(pc.greater_equal(index, first), pc.less_equal(index, last))))
+
+
+def _append_with_write_seq(warehouse: Warehouse, rows: pa.Table | DataFrame) -> int:
+    """Append segment rows (a Spark frame with `_row` on the Spark path) with `write_seq` after every
+    stored one (`segments.write_seqs`), read and committed under the table's writer lock."""
     table = TXN_SNAPSHOT_SEGMENTS
-    n = rows.count()
-    if not n:
+    tables = DeltaTables(warehouse)
+    keys = rows.select(*_KEY_COLUMNS).toArrow() if isinstance(rows, DataFrame) else rows
+    if not keys.num_rows:
         return 0
-    with warehouse.writer(table):
-        base = _max_write_seq(warehouse)
-        in_write_order = Window.orderBy("topic", "segment_index", "snapshot_key")  # few rows: one partition is fine
-        numbered = rows.withColumn("write_seq", F.row_number().over(in_write_order) + F.lit(base))
-        stamped = conform(numbered.withColumn("written_at", F.current_timestamp()), TXN_SNAPSHOT_SEGMENTS_SCHEMA)
-        retry_delta_conflicts(lambda: stored_frame(table, stamped).write.format("delta").mode("append").save(warehouse.path(table)))
-    return n
+    with tables.writing(table):
+        seqs = write_seqs(keys, tables.column_max(table, "write_seq") or 0)
+        if isinstance(rows, DataFrame):
+            numbered = rows.join(F.broadcast(local_frame(warehouse.spark, pa.table({_ROW: keys[_ROW], "write_seq": seqs}),
+                                                         f"{_ROW} long, write_seq long")), _ROW).drop(_ROW)
+            stamped = conform(numbered.withColumn("written_at", F.current_timestamp()), TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+            warehouse.create_missing(table, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+            retry_delta_conflicts(lambda: stored_frame(table, stamped).write.format("delta").mode("append").save(warehouse.path(table)))
+        else:
+            now = pa.array([datetime.now(timezone.utc)] * keys.num_rows, SEGMENTS_SCHEMA.field("written_at").type)
+            tables.append(table, TXN_SNAPSHOT_SEGMENTS_SCHEMA, pa.table(
+                [seqs if f.name == "write_seq" else now if f.name == "written_at" else rows[f.name] for f in SEGMENTS_SCHEMA],
+                schema=SEGMENTS_SCHEMA))
+    return keys.num_rows
 
 
-def _max_write_seq(warehouse: Warehouse) -> int:
-    table = warehouse.read_or_empty(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
-    return int(table.agg(F.max("write_seq")).first()[0] or 0)
+_KEY_COLUMNS = (_ROW, "topic", "segment_index", "snapshot_key")
 
 
 def _write_tombstones(warehouse: Warehouse, ids: dict[str, int], counts: dict[str, int]) -> int:
     """Tombstone every numbered key of the snapshotted topics beyond their new segment count
-    whose latest row is not already a tombstone (stale parts of older, longer snapshots)."""
-    spark = warehouse.spark
-    new = local_frame(spark, [(t, ids[t], counts[t]) for t in counts], "topic string, _id long, _count int")
-    latest = latest_per_key(warehouse.read(TXN_SNAPSHOT_SEGMENTS))
-    stale = (
-        latest.join(F.broadcast(new), "topic")
-        .withColumn("_part", part_number())
-        .where(~F.coalesce("tombstone", F.lit(False)) & F.col("_part").isNotNull() & (F.col("_part") >= F.col("_count")))
-        .select(
-            "snapshot_key", "topic", F.lit(-1).cast("long").alias("max_read_ledger_id"),
-            F.lit(-1).cast("long").alias("max_read_entry_id"),
-            _empty_aborts().alias("aborts"),
-            F.col("_id").alias("snapshot_id"), F.col("_part").alias("segment_index"),
-            F.lit(0).alias("segment_count"), F.lit(0).cast("long").alias("abort_count"), F.lit(True).alias("tombstone"),
-        )
-    )
-    return _append_with_write_seq(warehouse, stale.localCheckpoint())
+    whose latest row is not already a tombstone (`segments.stale_parts`): tiny rows, written by delta-rs."""
+    stored = DeltaTables(warehouse).read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA,
+                                         ["snapshot_key", "topic", "write_seq", "tombstone"])
+    return _append_with_write_seq(warehouse, stale_parts(stored, {t: (ids[t], counts[t]) for t in counts}))
 
 
 # -- compaction ---------------------------------------------------------------------------------
 
-def latest_per_key(segments: DataFrame) -> DataFrame:
-    """Key-compaction semantics: the row with the latest write_seq of each snapshot_key."""
-    newest = Window.partitionBy("snapshot_key").orderBy(F.col("write_seq").desc())
-    return segments.withColumn("_r", F.row_number().over(newest)).where("_r = 1").drop("_r")
-
-
-def live_ends(segments: DataFrame, columns: Sequence[str]) -> DataFrame:
-    """`index.live_ends` of `segments` (the rows it applies to): per topic, `columns` of its live
-    `topic-end`. Collects the end rows' narrow columns (a row per `topic-end` row, no aborts)."""
-    needed = list(dict.fromkeys(["topic", "snapshot_key", "write_seq", "tombstone", *columns]))
-    ends = segments.where(is_end_key()).select(*needed).toArrow()
-    picked = ends.take(pa.array(sorted(live_ends_of(ends).values()), pa.int64()))
-    return local_frame(segments.sparkSession, picked, T.StructType([segments.schema[c] for c in ["topic", *columns]]))
+COMPACTION_COLUMNS = ("topic", "snapshot_key", "write_seq", "tombstone", "snapshot_id")
 
 
 def compacted_segments(segments: DataFrame) -> DataFrame:
-    """What compaction keeps: the latest row of each key unless it is a tombstone, and the newest
-    row of each key of every live snapshot (the one its topic's latest `topic-end` names), which a
-    newer, unfinished snapshot may have overwritten."""
-    live = live_ends(segments, ["snapshot_id"]).select("topic", F.col("snapshot_id").alias("_live_id"))
-    not_tombstone = ~F.coalesce(F.col("tombstone"), F.lit(False))
-    newest = Window.partitionBy("snapshot_key").orderBy(F.col("write_seq").desc())
-    newest_of_snapshot = Window.partitionBy("snapshot_key", "snapshot_id", "_tomb").orderBy(F.col("write_seq").desc())
-    ranked = (
-        segments.withColumn("_tomb", ~not_tombstone)
-        .withColumn("_r", F.row_number().over(newest))
-        .withColumn("_rs", F.row_number().over(newest_of_snapshot))
-        .join(F.broadcast(live), "topic", "left")
-    )
-    keep = ((F.col("_r") == 1) & not_tombstone) | (
-        not_tombstone & (F.col("_rs") == 1) & (F.col("snapshot_id") == F.col("_live_id"))
-    )
-    return ranked.where(keep).select(*segments.columns)
+    """On Spark, the rows compaction keeps (`segments.compaction_keeps`, over the rows' narrow
+    columns collected: a row per segment row, no aborts)."""
+    rows = segments.withColumn(_ROW, F.monotonically_increasing_id()).localCheckpoint()
+    meta = rows.select(_ROW, *COMPACTION_COLUMNS).toArrow()
+    kept = local_frame(segments.sparkSession, meta.filter(compaction_keeps(meta)).select([_ROW]), f"{_ROW} long")
+    return rows.join(F.broadcast(kept), _ROW).drop(_ROW)
 
 
 SEGMENTS_FILE_BYTES = 256 * 1024 * 1024  # OPTIMIZE's target file size (Spark's default 1 GiB; segments are small)
@@ -364,27 +346,37 @@ def compact_segments(
     vacuum_retention_hours: float = 168.0,
     optimize: bool = True,
     before_commit: Callable[[], None] | None = None,
+    compute: str | None = None,
 ) -> CompactionSummary:
-    """Rewrite `txn_snapshot_segments` with `compacted_segments` in one commit, then OPTIMIZE and
-    VACUUM it. The default retention (7 days, Delta's own) keeps every file a reader of an older
-    version may still open; lower it only where no reader runs that long (VACUUM refuses less than
-    the table's `delta.deletedFileRetentionDuration`, a week unless set).
+    """Rewrite `txn_snapshot_segments` with the rows `segments.compaction_keeps` in one commit, in
+    the driver or on Spark (`snapshots_in_driver`), then OPTIMIZE and VACUUM it. The default
+    retention (7 days, Delta's own) keeps every file a reader of an older version may still open;
+    lower it only where no reader runs that long (VACUUM refuses less than the table's
+    `delta.deletedFileRetentionDuration`, a week unless set).
 
     OPTIMIZE and VACUUM run in delta-rs (`DeltaTables`): Spark's ran a listing job, then a job per
-    step, on a table of a few rows, and printed its own line to the console (docs/benchmarks.md,
-    "Driver reads")."""
+    step, on a table of a few rows (docs/benchmarks.md, "Driver reads")."""
     table = TXN_SNAPSHOT_SEGMENTS
-    path = warehouse.path(table)
-    with snapshot_lock(warehouse), warehouse.writer(table):  # never between a writer's parts and its end
-        current = warehouse.read(table).localCheckpoint()
-        before = current.count()
-        kept = compacted_segments(current).localCheckpoint()
-        after = kept.count()
+    tables = DeltaTables(warehouse)
+    in_driver = snapshots_in_driver(warehouse, compute)
+    with snapshot_lock(warehouse), tables.writing(table):  # never between a writer's parts and its end
+        if in_driver:
+            current = tables.read(table, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+            kept_rows = current.filter(compaction_keeps(current))
+            before, after = current.num_rows, kept_rows.num_rows
+        else:
+            current = warehouse.read(table).localCheckpoint()
+            before = current.count()
+            kept = compacted_segments(current).localCheckpoint()
+            after = kept.count()
         if before_commit:
             before_commit()
         if after != before:
-            retry_delta_conflicts(lambda: stored_frame(table, kept).write.format("delta").mode("overwrite").save(path))
-    tables = DeltaTables(warehouse)
+            if in_driver:
+                tables.overwrite(table, kept_rows, TXN_SNAPSHOT_SEGMENTS_SCHEMA)
+            else:
+                retry_delta_conflicts(
+                    lambda: stored_frame(table, kept).write.format("delta").mode("overwrite").save(warehouse.path(table)))
     if optimize:  # no row changes (dataChange=false): a concurrent snapshot write keeps its rows
         tables.compact(table, SEGMENTS_FILE_BYTES)
     if vacuum_retention_hours is not None:
@@ -408,8 +400,7 @@ def _live_snapshots(checked: DataFrame) -> DataFrame:
     columns, collected (a row per segment row, no aborts); then each live snapshot's aborts, its
     rows' arrays in order, joined in Spark."""
     spark = checked.sparkSession
-    size = F.when(F.col("aborts").isNull(), F.lit(None)).otherwise(F.size("aborts")).alias(ABORT_SIZE)
-    meta = checked.select(*INDEX_COLUMNS, BAD_REASON, size, _ROW).toArrow()
+    meta = checked.select(*INDEX_COLUMNS, BAD_REASON, _abort_size(), _ROW).toArrow()
     index = live_snapshot_index(meta)
     row_ids = meta.column(_ROW).to_pylist()
     plan = local_frame(spark, [
@@ -557,71 +548,70 @@ def recovery_mismatches(recovered: DataFrame, full: DataFrame) -> DataFrame:
 
 # -- triggers and per-topic state ----------------------------------------------------------------
 
+def _entry_facts_on_spark(entries: DataFrame, positions: dict[str, tuple[int, int]]) -> pa.Table:
+    """`segments.FACT_COLUMNS` of every topic of the log, on Spark (a row per topic collected)."""
+    usable = local_frame(entries.sparkSession, [(t, *p) for t, p in sorted(positions.items())],
+                         f"topic string, {SNAPSHOT_LEDGER} long, {SNAPSHOT_ENTRY} long")
+    narrow = entries.select("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits")
+    return (narrow.join(F.broadcast(usable), "topic", "left").groupBy("topic").agg(
+        F.count(F.when(has_txn(), 1)).alias("txn_entries"),
+        F.count(F.when(is_marker() & (F.col(SNAPSHOT_LEDGER).isNull() | after_snapshot(F.col)), 1))
+        .alias("changes_since_snapshot"),
+    )).toArrow()
+
+
+def _entry_facts_in_driver(warehouse: Warehouse, positions: dict[str, tuple[int, int]]) -> pa.Table:
+    """`segments.FACT_COLUMNS` of every topic of the log, its narrow columns read by delta-rs batch
+    by batch (the driver holds a row per topic and one batch)."""
+    topics = pa.array(sorted(positions), pa.string())
+    ledgers = pa.array([positions[t][0] for t in topics.to_pylist()], pa.int64())
+    entries = pa.array([positions[t][1] for t in topics.to_pylist()], pa.int64())
+    changed = pc.field("_marker") & (pc.field(SNAPSHOT_LEDGER).is_null() | after_snapshot(pc.field))
+
+    def partial(batch: pa.RecordBatch) -> pa.Table:
+        rows = pa.Table.from_batches([batch])
+        topic = rows["topic"].cast(pa.string())
+        at = pc.index_in(topic, topics)
+        marked = pa.table({"topic": topic, "ledger_id": rows["ledger_id"], "entry_id": rows["entry_id"],
+                           SNAPSHOT_LEDGER: pc.take(ledgers, at), SNAPSHOT_ENTRY: pc.take(entries, at),
+                           "_txn": kernel.has_txn(rows), "_marker": kernel.is_marker(rows)})
+        return ds.dataset(marked).to_table(columns={"topic": pc.field("topic"), "_txn": pc.field("_txn").cast(pa.int64()),
+                                                    "_change": changed.cast(pa.int64())})
+
+    log = warehouse.delta_rs_table(warehouse.path(LEDGER_ENTRIES)).to_pyarrow_dataset()
+    columns = ["topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits"]
+    facts = aggregate_batches((partial(b) for b in log.to_batches(columns=columns)), ["topic"],
+                              [("_txn", "sum", "txn_entries"), ("_change", "sum", "changes_since_snapshot")])
+    return facts if facts is not None else pa.table({"topic": pa.array([], pa.string()), "txn_entries": pa.array([], pa.int64()),
+                                                     "changes_since_snapshot": pa.array([], pa.int64())})
+
+
+def _state_table_on_spark(entries: DataFrame, segments: DataFrame, config: TriggerConfig, now: datetime) -> pa.Table:
+    meta = checked_segments(segments).select(*INDEX_COLUMNS, "written_at", BAD_REASON, _abort_size()).toArrow()
+    return snapshot_state_table(meta, _entry_facts_on_spark(entries, usable_positions(meta)), config, now)
+
+
 def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConfig,
                     now: datetime | None = None) -> DataFrame:
-    """`txn_snapshot_state`: per topic with transactional data or snapshot rows, its state and whether
-    a snapshot is due.
+    """`txn_snapshot_state` on Spark (`segments.snapshot_state_table`): per topic with transactional
+    data or snapshot rows, its state and whether a snapshot is due. The changes since a snapshot are
+    the markers after its max read position: each COMMIT or ABORT is an abort or may move the max
+    read position, the batch count of the broker's changeMaxReadPositionAndAddAbortTimes."""
+    table = _state_table_on_spark(entries, segments, config, now or datetime.now(timezone.utc))
+    return local_frame(entries.sparkSession, table, TXN_SNAPSHOT_STATE_SCHEMA)
 
-    - NO_SNAPSHOT: no usable snapshot and no unfinished one; INITIALIZING: parts newer than the
-      live `topic-end` exist (a snapshot being written, or cut short); READY: otherwise.
-    - changes since the snapshot: the markers after its max read position. Each COMMIT or ABORT
-      is an abort or may move the max read position: the batch count of the broker's
-      changeMaxReadPositionAndAddAbortTimes (every marker of a topic without a snapshot).
-    - due: `triggers.due_reasons` (its reason in `due_reason`). INITIALIZING is due: snapshot runs
-      hold the snapshot lock from here to their state's write, so parts without their end seen
-      here were left by a writer that stopped (a crash). Written again, the topic is READY and the
-      next compaction drops those parts.
-    """
+
+def current_snapshot_states(warehouse: Warehouse, config: TriggerConfig, now: datetime | None = None,
+                            compute: str | None = None) -> pa.Table:
+    """`txn_snapshot_state` of the warehouse's log and segments, as Arrow, computed in the driver or
+    on Spark (`snapshots_in_driver`)."""
     now = now or datetime.now(timezone.utc)
-    checked = checked_segments(segments)
-    index = _live_snapshots(checked)
-    ends = live_ends(checked.where(F.col(BAD_REASON).isNull()), ["write_seq", "written_at"]).select(
-        "topic", F.col("write_seq").alias("_end_seq"), F.col("written_at").alias("last_snapshot_at"))
-    newer_parts = (
-        checked.where(~is_end_key() & ~F.coalesce("tombstone", F.lit(False)))
-        .join(ends, "topic", "left")
-        .where(F.col("_end_seq").isNull() | (F.col("write_seq") > F.col("_end_seq")))
-        .groupBy("topic").agg(F.count("*").alias("_unfinished"))
-    )
-    narrow = entries.select("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits")
-    usable = index.where(F.col("fallback_reason").isNull()).select(
-        "topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
-    per_topic = (
-        narrow.join(F.broadcast(usable), "topic", "left")
-        .groupBy("topic").agg(
-            F.count(F.when(has_txn(), 1)).alias("_txn_entries"),
-            F.count(F.when(is_marker() & (F.col("_sl").isNull() | after_snapshot(F.col)), 1)).alias("changes_since_snapshot"),
-        )
-    )
-    topics = per_topic.where("_txn_entries > 0").select("topic").unionByName(index.select("topic")).distinct()
-    joined = (
-        topics.join(per_topic, "topic", "left").join(index, "topic", "left")
-        .join(ends, "topic", "left").join(newer_parts, "topic", "left")
-    )
-    has_snapshot = F.col("fallback_reason").isNull() & F.col("snapshot_id").isNotNull()
-    unfinished = F.coalesce("_unfinished", F.lit(0)) > 0
-    state = F.when(unfinished, F.lit("INITIALIZING")).when(has_snapshot, F.lit("READY")).otherwise(F.lit("NO_SNAPSHOT"))
-    changes = F.coalesce("changes_since_snapshot", F.lit(0))
-    first_due = ~has_snapshot & (F.coalesce("_txn_entries", F.lit(0)) > 0)
-    due_reason = arrow_udf(lambda rows: due_reasons(pa.RecordBatch.from_struct_array(rows), config, now), StringType())
-    reason = due_reason(F.struct(has_snapshot.alias("has_snapshot"), unfinished.alias("unfinished"),
-                                 first_due.alias("first_due"), changes.alias("changes_since_snapshot"),
-                                 F.col("last_snapshot_at")))
-    return conform(
-        joined.select(
-            "topic", state.alias("state"),
-            F.when(has_snapshot, F.col("snapshot_id")).alias("snapshot_id"),
-            F.when(has_snapshot, F.col("segment_count")).alias("segment_count"),
-            F.when(has_snapshot, F.col("abort_count")).alias("abort_count"),
-            F.when(has_snapshot, F.col("max_read_ledger_id")).alias("max_read_ledger_id"),
-            F.when(has_snapshot, F.col("max_read_entry_id")).alias("max_read_entry_id"),
-            changes.alias("changes_since_snapshot"),
-            F.when(has_snapshot, F.col("last_snapshot_at")).alias("last_snapshot_at"),
-            reason.isNotNull().alias("due"), reason.alias("due_reason"),
-            F.lit(now).cast("timestamp").alias("updated_at"),
-        ),
-        TXN_SNAPSHOT_STATE_SCHEMA,
-    )
+    if not snapshots_in_driver(warehouse, compute):
+        return _state_table_on_spark(warehouse.read(LEDGER_ENTRIES), read_segments(warehouse), config, now)
+    if not warehouse.exists(LEDGER_ENTRIES):
+        warehouse.read(LEDGER_ENTRIES)  # raises the warehouse's error: what to ingest
+    meta = indexed_rows(DeltaTables(warehouse).read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA), ("written_at",))
+    return snapshot_state_table(meta, _entry_facts_in_driver(warehouse, usable_positions(meta)), config, now)
 
 
 def read_segments(warehouse: Warehouse) -> DataFrame:

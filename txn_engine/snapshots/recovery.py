@@ -40,7 +40,7 @@ from txn_engine.core.schema import (
     TXN_SNAPSHOT_SEGMENTS_SCHEMA,
 )
 from txn_engine.snapshots.jobs import full_replay_states, recover_from_warehouse
-from txn_engine.snapshots.index import ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, IndexedSnapshot, bad_row_reasons, live_snapshot_index
+from txn_engine.snapshots.index import IndexedSnapshot, indexed_rows, live_snapshot_index
 from txn_engine.snapshots.format import Source
 from txn_engine.snapshots.replay import ABORTS_TYPE, SNAPSHOT_ENTRY, SNAPSHOT_LEDGER, after_snapshot, anchor_position, replay_topic
 from txn_engine.storage.warehouse import Warehouse
@@ -71,9 +71,7 @@ class RecoverySummary:
 def snapshot_index(segments: pa.Table) -> tuple[dict[str, IndexedSnapshot], pa.ListArray]:
     """Per topic with segment rows, its live snapshot or why it cannot be used; and the aborts column."""
     aborts = segments.column("aborts").combine_chunks() if segments.num_rows else pa.array([], pa.list_(ABORTS_TYPE))
-    rows = segments.select(list(INDEX_COLUMNS)).append_column(BAD_REASON, bad_row_reasons(segments)).append_column(
-        ABORT_SIZE, pc.list_value_length(aborts))
-    return live_snapshot_index(rows), aborts
+    return live_snapshot_index(indexed_rows(segments)), aborts
 
 
 def snapshot_aborts(aborts: pa.ListArray, rows: tuple[int, ...], deleted: set[int]) -> pa.StructArray:

@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections import defaultdict
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterable, Iterator, Sequence
 
 import pyarrow as pa
@@ -238,6 +239,22 @@ class DeltaTables:
         self._read_lock = threading.Lock()  # a handle is not safe to refresh from two threads at once
         # Per table: [commits, seconds, rows] of the appends (lock wait included), for the benchmark.
         self.append_stats: dict[str, list] = defaultdict(lambda: [0, 0.0, 0])
+        self._held = threading.local()  # per thread: the tables whose writer lock `writing` holds
+
+    @contextmanager
+    def writing(self, table: str) -> Iterator[None]:
+        """Hold `table`'s writer lock from a read to the writes that depend on it; the writes made
+        through this instance meanwhile do not take it again (it is not reentrant)."""
+        held = self._held.__dict__.setdefault("tables", set())
+        with self.warehouse.writer(table):
+            held.add(table)
+            try:
+                yield
+            finally:
+                held.discard(table)
+
+    def _lock(self, table: str):
+        return nullcontext() if table in self._held.__dict__.get("tables", ()) else self.warehouse.writer(table)
 
     def exists(self, table: str) -> bool:
         return self._handle(table) is not None
@@ -377,7 +394,7 @@ class DeltaTables:
 
     def delete(self, table: str, predicate: str) -> None:
         """Delete the rows matching `predicate` (delta-rs SQL) in one Delta commit; no-op on a missing table."""
-        with self.warehouse.writer(table):
+        with self._lock(table):
             if not self.exists(table):
                 return
             retry_delta_conflicts(lambda: self._open(table).delete(predicate))  # a fresh handle per attempt
@@ -386,7 +403,7 @@ class DeltaTables:
     def update(self, table: str, updates: dict[str, str], predicate: str) -> int:
         """Set columns (delta-rs SQL expressions) of the rows matching `predicate` in one Delta
         commit (none when no row matches); returns the rows updated."""
-        with self.warehouse.writer(table):
+        with self._lock(table):
             metrics = retry_delta_conflicts(lambda: self._open(table).update(updates=updates, predicate=predicate))
             self._writers.pop(table, None)  # an append handle would first have to read this commit
         return int(metrics.get("num_updated_rows", 0))
@@ -398,7 +415,7 @@ class DeltaTables:
 
     def set_properties(self, table: str, properties: dict[str, str]) -> None:
         """Set Delta table properties in one metadata commit."""
-        with self.warehouse.writer(table):
+        with self._lock(table):
             retry_delta_conflicts(lambda: self._open(table).alter.set_table_properties(properties))
             self._writers.pop(table, None)  # an append handle would first have to read this commit
 
@@ -427,7 +444,7 @@ class DeltaTables:
         """Merge the table's files smaller than `target_size` bytes into files of about that size,
         in one Delta commit that changes no row (delta-rs OPTIMIZE: dataChange=false, insertion
         order kept); returns delta-rs's metrics (`numFilesRemoved`, `numFilesAdded`, ...)."""
-        with self.warehouse.writer(table):
+        with self._lock(table):
             metrics = retry_delta_conflicts(
                 lambda: self._open(table).optimize.compact(target_size=target_size, max_concurrent_tasks=1)
             )
@@ -442,7 +459,7 @@ class DeltaTables:
         Delta's own VACUUM, it refuses a retention shorter than the table's. Returns the deleted
         files' paths."""
         hours = None if retention_hours is None else math.ceil(retention_hours)
-        with self.warehouse.writer(table):
+        with self._lock(table):
             deleted = retry_delta_conflicts(lambda: self._open(table).vacuum(retention_hours=hours, dry_run=False, full=True))
             self._writers.pop(table, None)  # an append handle would first have to read its commits
         return deleted
@@ -458,7 +475,7 @@ class DeltaTables:
             return 0
         data = stored_arrow(table, data)
         started = time.perf_counter()
-        with self.warehouse.writer(table):
+        with self._lock(table):
             retry_delta_conflicts(lambda: self._write(table, data))
         stats = self.append_stats[table]
         stats[0] += 1
@@ -485,7 +502,7 @@ class DeltaTables:
         path = self.warehouse.path(table)
         options = self.warehouse.storage_options(path)
         properties = CommitProperties(custom_metadata=commit_metadata) if commit_metadata else None
-        with self.warehouse.writer(table):
+        with self._lock(table):
             if predicate is None or not self.exists(table):
                 retry_delta_conflicts(lambda: write_deltalake(path, data, mode="overwrite", schema_mode="overwrite",
                                                               commit_properties=properties, storage_options=options))

@@ -156,13 +156,20 @@ class Warehouse:
                 writer = writer.option("userMetadata", json.dumps(commit_metadata, sort_keys=True))
             exists = self.exists(table, location)
             if schema is not None and not exists:
-                DeltaTable.createIfNotExists(self.spark).location(location).addColumns(schema).execute()
+                self.create_missing(table, schema, location)
                 exists = True
             if replace_where is not None and exists:
                 writer = writer.option("replaceWhere", replace_where)
             elif schema is None or not _same_columns(self.spark.read.format("delta").load(location).schema, schema):
                 writer = writer.option("overwriteSchema", "true")
             retry_delta_conflicts(lambda: writer.save(location))
+
+    def create_missing(self, table: str, schema: StructType, path: str | None = None) -> None:
+        """Create `table` empty with `schema` as stored when it does not exist, so a Spark write keeps
+        its NOT NULL columns (Spark computes most as nullable). The caller holds the writer lock."""
+        location = path or self.path(table)
+        if not self.exists(table, location):
+            DeltaTable.createIfNotExists(self.spark).location(location).addColumns(stored_schema(table) or schema).execute()
 
     def delete(self, table: str, predicate: str, path: str | None = None) -> None:
         """Delete the rows matching `predicate` (Spark SQL) in one Delta commit; no-op on a missing table."""
