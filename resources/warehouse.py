@@ -24,7 +24,7 @@ class WarehouseResource(ConfigurableResource):
     s3_session_token: str | None = Field(default=None, description="A session token of temporary credentials.")
     s3_path_style: bool | None = Field(default=None, description="Path-style bucket addressing.")
     compute: str | None = Field(
-        default=None, description="Where transaction-buffer runs compute: auto, driver or spark; default TXNLAKE_COMPUTE or auto."
+        default=None, description="Where transaction-buffer and snapshot runs compute: auto, driver or spark; default TXNLAKE_COMPUTE or auto."
     )
 
     def settings(self) -> WarehouseSettings:

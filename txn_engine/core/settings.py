@@ -178,7 +178,7 @@ class WarehouseSettings(BaseSettings):
 
     compute: str = Field(
         default="auto",
-        description="Where transaction-buffer runs, their whole-table checks and the shipped SQL models compute: "
+        description="Where transaction-buffer runs, their whole-table checks, snapshot runs and the shipped SQL models compute: "
         "auto (the driver while what they read fits the bounds below, else Spark), driver, or spark.",
     )
     driver_scope_max_bytes: int = Field(
