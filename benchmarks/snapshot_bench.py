@@ -79,6 +79,8 @@ def run(aborts: int, workdir: Path) -> dict:
     from txn_engine.snapshots.jobs import (
         entries_after_snapshots,
         full_replay_states,
+        TriggerConfig,
+        current_snapshot_states,
         live_snapshots,
         read_segments,
         recover_from_warehouse,
@@ -100,8 +102,15 @@ def run(aborts: int, workdir: Path) -> dict:
         wh.overwrite(ABORTED_TXNS, tables.aborted_txns)
         tables.unpersist()
     topics = [r.topic for r in wh.read(STABLE_POSITIONS).select("topic").collect()]
-    with timed("snapshot write (all topics)") as t_write:
-        summary = write_snapshots(wh, topics)
+    # The same snapshot written both ways a run can go (`snapshots_in_driver`), then the state.
+    with timed("snapshot write (all topics), in the driver") as t_write:
+        summary = write_snapshots(wh, topics, compute="driver")
+    with timed("snapshot write (all topics), on Spark") as t_write_spark:
+        write_snapshots(wh, topics, compute="spark")
+    with timed("snapshot state, in the driver") as t_state:
+        states = current_snapshot_states(wh, TriggerConfig(), compute="driver")
+    with timed("snapshot state, on Spark") as t_state_spark:
+        states_on_spark = current_snapshot_states(wh, TriggerConfig(), states["updated_at"][0].as_py(), compute="spark")
     segments = read_segments(wh).count()
     with timed(f"append {tail:,} more aborted transactions"):
         wh.append(LEDGER_ENTRIES, as_ingested(log_frame(spark, aborts, tail), 2 * tail))
@@ -128,6 +137,11 @@ def run(aborts: int, workdir: Path) -> dict:
         "aborted_txns": aborts + tail,
         "entries": 2 * (aborts + tail),
         "snapshot_write_s": t_write.seconds,
+        "snapshot_write_on_spark_s": t_write_spark.seconds,
+        "snapshot_write_spark_vs_driver": t_write_spark.seconds / t_write.seconds,
+        "snapshot_state_s": t_state.seconds,
+        "snapshot_state_on_spark_s": t_state_spark.seconds,
+        "states_equal": states.to_pylist() == states_on_spark.to_pylist(),
         "segments": segments,
         "segments_per_topic": summary.segments_per_topic,
         "recovery_s": t_recover.seconds,
