@@ -41,7 +41,7 @@ from pydantic import Field
 from assets.metadata import markdown_preview, table_metadata
 from resources.spark import SparkResource
 from resources.warehouse import WarehouseResource
-from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.storage.delta_io import DeltaTables, aggregate
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     DELETED_LEDGERS,
@@ -155,13 +155,10 @@ def recovered_buffer_state(spark: SparkResource, warehouse: WarehouseResource) -
     wh = warehouse.open(spark.session())
     recovery = recover_to_warehouse(wh)  # in the driver, as a broker recovers (docs/snapshots.md)
     stored = DeltaTables(wh).read(RECOVERED_BUFFER_STATE, RECOVERED_BUFFER_STATE_SCHEMA,
-                                  ["topic", "source", "fallback_reason", "replayed_entries"]).to_pylist()  # a row per topic
-    by_source: dict[str, dict[str, int]] = {}
-    for r in stored:
-        counts = by_source.setdefault(r["source"], {"topics": 0, "replayed_entries": 0})
-        counts["topics"] += 1
-        counts["replayed_entries"] += r["replayed_entries"] or 0
-    reasons = [f"{r['topic']}: {r['fallback_reason']}" for r in stored if r["source"] == "FULL_REPLAY"][:20]
+                                  ["topic", "source", "fallback_reason", "replayed_entries"])  # a row per topic
+    by_source = {r["source"]: {"topics": r["topics"], "replayed_entries": r["replayed"] or 0} for r in aggregate(
+        stored, ["source"], [("topic", "count", "topics"), ("replayed_entries", "sum", "replayed")]).to_pylist()}
+    reasons = [f"{r['topic']}: {r['fallback_reason']}" for r in stored.to_pylist() if r["source"] == "FULL_REPLAY"][:20]
     return MaterializeResult(metadata=table_metadata(
         wh, RECOVERED_BUFFER_STATE,
         by_source=MetadataValue.json(by_source), full_replay_reasons=MetadataValue.json(reasons),

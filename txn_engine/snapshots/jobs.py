@@ -14,6 +14,7 @@ else on Spark (`snapshots_in_driver`, the `compute` setting):
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 from contextlib import contextmanager
@@ -55,7 +56,7 @@ from txn_engine.core.schema import (
 from txn_engine.snapshots.index import (ABORT_SIZE, BAD_REASON, INDEX_COLUMNS, RULE_COLUMNS, bad_row_reasons_of,
                                         indexed_rows, live_snapshot_index)
 from txn_engine.snapshots.segments import (ABORTED_COLUMNS, SEGMENTS_SCHEMA, UNNUMBERED_SCHEMA, Planned, compaction_keeps,
-                                           cut_segments, snapshot_state_table, stale_parts, usable_positions, write_seqs)
+                                           cut_segments, snapshot_state_table, stale_parts, write_seqs)
 from txn_engine.snapshots.triggers import TriggerConfig
 from txn_engine.snapshots.replay import (SNAPSHOT_ENTRY, SNAPSHOT_LEDGER, after_snapshot, anchor_position,
                                          full_replay_rows, replayed_rows)
@@ -548,11 +549,15 @@ def recovery_mismatches(recovered: DataFrame, full: DataFrame) -> DataFrame:
 
 # -- triggers and per-topic state ----------------------------------------------------------------
 
+# What the state's counts read of the log.
+_FACT_INPUT = ("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits")
+
+
 def _entry_facts_on_spark(entries: DataFrame, positions: dict[str, tuple[int, int]]) -> pa.Table:
     """`segments.FACT_COLUMNS` of every topic of the log, on Spark (a row per topic collected)."""
     usable = local_frame(entries.sparkSession, [(t, *p) for t, p in sorted(positions.items())],
                          f"topic string, {SNAPSHOT_LEDGER} long, {SNAPSHOT_ENTRY} long")
-    narrow = entries.select("topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits")
+    narrow = entries.select(*_FACT_INPUT)
     return (narrow.join(F.broadcast(usable), "topic", "left").groupBy("topic").agg(
         F.count(F.when(has_txn(), 1)).alias("txn_entries"),
         F.count(F.when(is_marker() & (F.col(SNAPSHOT_LEDGER).isNull() | after_snapshot(F.col)), 1))
@@ -560,7 +565,7 @@ def _entry_facts_on_spark(entries: DataFrame, positions: dict[str, tuple[int, in
     )).toArrow()
 
 
-def _entry_facts_in_driver(warehouse: Warehouse, positions: dict[str, tuple[int, int]]) -> pa.Table:
+def _entry_facts_in_driver(log: ds.Dataset, positions: dict[str, tuple[int, int]]) -> pa.Table:
     """`segments.FACT_COLUMNS` of every topic of the log, its narrow columns read by delta-rs batch
     by batch (the driver holds a row per topic and one batch)."""
     topics = pa.array(sorted(positions), pa.string())
@@ -578,9 +583,7 @@ def _entry_facts_in_driver(warehouse: Warehouse, positions: dict[str, tuple[int,
         return ds.dataset(marked).to_table(columns={"topic": pc.field("topic"), "_txn": pc.field("_txn").cast(pa.int64()),
                                                     "_change": changed.cast(pa.int64())})
 
-    log = warehouse.delta_rs_table(warehouse.path(LEDGER_ENTRIES)).to_pyarrow_dataset()
-    columns = ["topic", "ledger_id", "entry_id", "entry_type", "txn_most_bits", "txn_least_bits"]
-    facts = aggregate_batches((partial(b) for b in log.to_batches(columns=columns)), ["topic"],
+    facts = aggregate_batches((partial(b) for b in log.to_batches(columns=list(_FACT_INPUT))), ["topic"],
                               [("_txn", "sum", "txn_entries"), ("_change", "sum", "changes_since_snapshot")])
     return facts if facts is not None else pa.table({"topic": pa.array([], pa.string()), "txn_entries": pa.array([], pa.int64()),
                                                      "changes_since_snapshot": pa.array([], pa.int64())})
@@ -588,7 +591,7 @@ def _entry_facts_in_driver(warehouse: Warehouse, positions: dict[str, tuple[int,
 
 def _state_table_on_spark(entries: DataFrame, segments: DataFrame, config: TriggerConfig, now: datetime) -> pa.Table:
     meta = checked_segments(segments).select(*INDEX_COLUMNS, "written_at", BAD_REASON, _abort_size()).toArrow()
-    return snapshot_state_table(meta, _entry_facts_on_spark(entries, usable_positions(meta)), config, now)
+    return snapshot_state_table(meta, functools.partial(_entry_facts_on_spark, entries), config, now)
 
 
 def snapshot_states(entries: DataFrame, segments: DataFrame, config: TriggerConfig,
@@ -608,10 +611,10 @@ def current_snapshot_states(warehouse: Warehouse, config: TriggerConfig, now: da
     now = now or datetime.now(timezone.utc)
     if not snapshots_in_driver(warehouse, compute):
         return _state_table_on_spark(warehouse.read(LEDGER_ENTRIES), read_segments(warehouse), config, now)
-    if not warehouse.exists(LEDGER_ENTRIES):
-        warehouse.read(LEDGER_ENTRIES)  # raises the warehouse's error: what to ingest
-    meta = indexed_rows(DeltaTables(warehouse).read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA), ("written_at",))
-    return snapshot_state_table(meta, _entry_facts_in_driver(warehouse, usable_positions(meta)), config, now)
+    tables = DeltaTables(warehouse)
+    log = tables.dataset(LEDGER_ENTRIES)  # the warehouse's error when there is no log: what to ingest
+    meta = indexed_rows(tables.read(TXN_SNAPSHOT_SEGMENTS, TXN_SNAPSHOT_SEGMENTS_SCHEMA), ("written_at",))
+    return snapshot_state_table(meta, functools.partial(_entry_facts_in_driver, log), config, now)
 
 
 def read_segments(warehouse: Warehouse) -> DataFrame:

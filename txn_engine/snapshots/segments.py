@@ -11,7 +11,7 @@ Spark's Python workers import this module: no Spark here.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -147,13 +147,15 @@ def compaction_keeps(rows: pa.Table) -> pa.Array:
     return pa.array(~tomb & (latest | (of_snapshot & live_row)))
 
 
-def snapshot_state_table(meta: pa.Table, facts: pa.Table, config: TriggerConfig, now: datetime) -> pa.Table:
+def snapshot_state_table(meta: pa.Table, count_facts: Callable[[dict[str, tuple[int, int]]], pa.Table],
+                         config: TriggerConfig, now: datetime) -> pa.Table:
     """`txn_snapshot_state` (`STATE_SCHEMA`): per topic with transactional entries or segment rows,
     its state and whether a snapshot is due at `now` (`triggers.due_reasons`).
 
     `meta`: the segment rows' index columns with `written_at`, `BAD_REASON` and `ABORT_SIZE`
-    (`index.indexed_rows`); `facts`: `FACT_COLUMNS` per topic of the log, the changes counted after
-    the max read position of the topic's usable snapshot in `meta` (all its markers without one).
+    (`index.indexed_rows`); `count_facts(positions)`: `FACT_COLUMNS` per topic of the log, its
+    changes counted after its usable snapshot's max read position in `positions` (all its markers
+    without one), in the driver or on Spark.
     - NO_SNAPSHOT: no usable snapshot and no unfinished one; INITIALIZING: parts newer than the
       live `topic-end` exist (a snapshot being written, or cut short); READY: otherwise.
     - INITIALIZING is due: snapshot runs hold the snapshot lock from choosing what is due to
@@ -161,6 +163,8 @@ def snapshot_state_table(meta: pa.Table, facts: pa.Table, config: TriggerConfig,
       stopped. Written again, the topic is READY and the next compaction drops those parts.
     """
     index = live_snapshot_index(meta)
+    facts = count_facts({t: (s.max_read.ledger_id, s.max_read.entry_id) for t, s in index.items()
+                         if s.fallback_reason is None})
     good = np.flatnonzero(pc.is_null(_array(meta[BAD_REASON])).to_numpy(zero_copy_only=False))
     ends = {t: int(good[i]) for t, i in live_ends(meta.take(good)).items()}
     seq, written = _array(meta["write_seq"]).to_pylist(), _array(meta["written_at"]).to_pylist()
@@ -202,11 +206,4 @@ def snapshot_state_table(meta: pa.Table, facts: pa.Table, config: TriggerConfig,
                     "last_snapshot_at": r["last_snapshot_at"] if has else None,
                     "due": reason is not None, "due_reason": reason, "updated_at": now})
     return pa.Table.from_pylist(out, schema=STATE_SCHEMA)
-
-
-def usable_positions(meta: pa.Table) -> dict[str, tuple[int, int]]:
-    """Per topic with a usable snapshot in `meta` (`index.indexed_rows`), its max read position: the
-    changes of `snapshot_state_table`'s facts are counted after it."""
-    return {t: (s.max_read.ledger_id, s.max_read.entry_id) for t, s in live_snapshot_index(meta).items()
-            if s.fallback_reason is None}
 
