@@ -443,6 +443,9 @@ def validate(raw: DataFrame) -> DataFrame:
         F.concat(F.coalesce("_value_errors", F.array().cast(_UNKNOWN_COLUMNS)), F.filter(F.array(*errors), lambda e: e.isNotNull()))
     )
     first = problems[0]
+    # Higher-order functions run interpreted, row by row: only a row with a problem builds the list.
+    has_problem = (F.col("_parse_error").isNotNull() | F.coalesce(*errors[1:]).isNotNull()
+                   | (F.coalesce(F.size("_value_errors"), F.lit(0)) > 0))
     return raw.select(
         "source_file",
         "line",
@@ -450,9 +453,9 @@ def validate(raw: DataFrame) -> DataFrame:
         "_unknown_columns",
         # Cast: every file's validated rows have the same schema, so they union as they are.
         *[t[f.name].cast(f.dataType).alias(f.name) for f in LEDGER_ENTRIES_SCHEMA.fields],
-        F.when(F.size(problems) > 0, F.split_part(first, F.lit(":"), F.lit(1))).alias("rule"),
+        F.when(has_problem, F.split_part(first, F.lit(":"), F.lit(1))).alias("rule"),
         F.when(
-            F.size(problems) > 0,
+            has_problem,
             F.array_join(F.transform(problems, lambda e: F.regexp_replace(e, "^[a-z_]+:", "")), "; "),
         ).alias("reason"),
     )
