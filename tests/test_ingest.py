@@ -185,6 +185,24 @@ def test_each_validation_rule_quarantines_with_its_message(warehouse, tmp_path):
     ]
 
 
+def test_a_row_with_several_problems_lists_them_all_in_order_under_its_first_rule(warehouse, tmp_path):
+    # Value types first (in column order), then each column's own rules, each message once,
+    # without its rule; a topic of the wrong type is not also reported missing.
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {**entry("t", 1, 0), "topic": 123, "key": {"a": 1}, "ledger_id": -1, "entry_type": "DATTA"},
+        {**entry("t", 1, 1), "topic": None, "sequence_id": -5, "producer_id": 1},
+    ])
+    summary = ingest_files(warehouse, [str(path)])
+    assert summary.rows_quarantined == 2
+    again = "write it as a JSON string (in double quotes) and ingest the row again"
+    assert [(r.line, r.rule, r.reason) for r in quarantine(warehouse)] == [
+        (1, "type", f"topic must be a JSON string, got 123 (bigint); {again}; "
+                    f'key must be a JSON string, got {{"a":1}} (object); {again}; '
+                    "entry_type must be one of DATA, COMMIT, ABORT, got 'DATTA'; ledger_id must not be negative, got -1"),
+        (2, "missing", "topic is missing or empty; sequence_id must not be negative, got -5"),
+    ]
+
+
 def test_malformed_lines_and_line_numbers_across_file_blocks(spark, warehouse, tmp_path):
     rows: list = [entry("t", 1, i) for i in range(3000)]
     rows[1499] = "{not json"
