@@ -283,7 +283,7 @@ def offload_ledgers(
                                kept_from=FROM_LEDGER_ENTRIES if recorded is None else COMMITTED_ENTRIES,
                                step_seconds=lap.seconds)  # later laps land there too
         manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
-        in_manifest = _ledgers_of(wh, OFFLOAD_MANIFEST, manifest_commit and manifest_commit["version"])
+        in_manifest = _manifest_ledgers(wh, manifest_commit and manifest_commit["version"])
         tier_version = wh.version(OFFLOADED_ENTRIES)
         clean_at = (manifest_commit or {}).get(TIER_CLEAN_AT)
         result.tier_scanned = tier_version is not None and str(tier_version) != clean_at
@@ -392,6 +392,15 @@ def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables 
         # A row per topic, by delta-rs: no Spark job.
         stable_rows=DeltaTables(wh).dataset(STABLE_POSITIONS, at[STABLE_POSITIONS]).to_table().to_pylist(),
     )
+
+
+def _manifest_ledgers(wh: Warehouse, version: int | None) -> set[LedgerKey]:
+    """The ledgers with a manifest row at `version` (none when there is no manifest): a row per
+    ledger, read by delta-rs, without the Spark jobs of a Delta scan."""
+    if version is None:
+        return set()
+    rows = DeltaTables(wh).dataset(OFFLOAD_MANIFEST, version).to_table(columns=["topic", "ledger_id"])
+    return set(zip(rows["topic"].to_pylist(), rows["ledger_id"].to_pylist()))
 
 
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
