@@ -29,13 +29,14 @@ RULE_COLUMNS = ("snapshot_key", "topic", "max_read_ledger_id", "max_read_entry_i
 _PART_KEY = r"(?s)^(?P<topic>.*)-(?P<number>[1-9][0-9]{0,8})$"
 
 
-def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+def as_array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
+    """`values` as one array (a table's column is chunked)."""
     return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
 def _strings(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     """One string array (a table's column comes in chunks, and may be large or view strings)."""
-    values = _array(values)
+    values = as_array(values)
     return values if values.type == pa.string() else values.cast(pa.string())
 
 
@@ -72,7 +73,7 @@ def bad_row_reasons(segments: pa.Table | pa.RecordBatch) -> pa.Array:
     """Why each segment row cannot be used (null when it can): checked before recovery trusts it.
     The first rule a row breaks names it; a tombstone needs only a key of its topic."""
     def column(name: str) -> pa.Array:
-        return _array(segments.column(name))
+        return as_array(segments.column(name))
 
     topic, key = _strings(column("topic")), _strings(column("snapshot_key"))
     aborts, segment_index = column("aborts"), column("segment_index")
@@ -114,9 +115,8 @@ ABORT_SIZE = "abort_size"
 def indexed_rows(segments: pa.Table, extra: tuple[str, ...] = ()) -> pa.Table:
     """What `live_snapshot_index` reads of stored segment rows (and `extra` columns): `INDEX_COLUMNS`,
     `BAD_REASON` and `ABORT_SIZE`, without the aborts."""
-    aborts = _array(segments.column("aborts"))
     return segments.select([*INDEX_COLUMNS, *extra]).append_column(BAD_REASON, bad_row_reasons(segments)).append_column(
-        ABORT_SIZE, pc.list_value_length(aborts))
+        ABORT_SIZE, pc.list_value_length(segments.column("aborts")))
 
 
 @dataclass(frozen=True)
@@ -139,12 +139,12 @@ def live_ends(rows: pa.Table | pa.RecordBatch) -> dict[str, int]:
     descending); between equal ones, the later row."""
     topic = _strings(rows.column("topic"))
     at = np.flatnonzero(pc.fill_null(end_keys(topic, rows.column("snapshot_key")), False).to_numpy(zero_copy_only=False))
-    ends = pa.table({"topic": topic.take(at), "write_seq": _array(rows.column("write_seq")).take(at)})
+    ends = pa.table({"topic": topic.take(at), "write_seq": as_array(rows.column("write_seq")).take(at)})
     order = pc.sort_indices(ends, sort_keys=[("topic", "ascending"), ("write_seq", "ascending", "at_start")]).to_numpy()
     latest: dict[str, int] = {}
     for t, i in zip(ends.column("topic").take(order).to_pylist(), at[order].tolist()):
         latest[t] = i  # ascending: the last seen is the latest
-    tombstone = pc.fill_null(_array(rows.column("tombstone")), False).to_pylist()
+    tombstone = pc.fill_null(as_array(rows.column("tombstone")), False).to_pylist()
     return {t: i for t, i in latest.items() if not tombstone[i]}
 
 
@@ -157,15 +157,15 @@ def live_snapshot_index(segments: pa.Table) -> dict[str, IndexedSnapshot]:
     its part numbers written for that snapshot id; it must have them all and hold `abort_count` aborts.
     """
     meta = segments.select(list(INDEX_COLUMNS)).to_pylist()
-    reasons = _array(segments.column(BAD_REASON)).to_pylist()
-    sizes = pc.fill_null(_array(segments.column(ABORT_SIZE)), 0).to_pylist()
+    reasons = as_array(segments.column(BAD_REASON)).to_pylist()
+    sizes = pc.fill_null(as_array(segments.column(ABORT_SIZE)), 0).to_pylist()
     is_end = end_keys(segments.column("topic"), segments.column("snapshot_key")).to_pylist()
 
     bad: dict[str, str] = {}
     for row, why in zip(meta, reasons):
         if row["topic"] is not None and why is not None:
             bad[row["topic"]] = min(bad.get(row["topic"], why), why)
-    good = np.flatnonzero(pc.is_null(_array(segments.column(BAD_REASON))).to_numpy(zero_copy_only=False))
+    good = np.flatnonzero(pc.is_null(as_array(segments.column(BAD_REASON))).to_numpy(zero_copy_only=False))
     live = {t: int(good[i]) for t, i in live_ends(segments.take(good)).items()}
     parts: dict[str, dict[int, int]] = {}  # topic -> segment_index -> latest row of the live snapshot
     for i, (row, why) in enumerate(zip(meta, reasons)):

@@ -238,7 +238,7 @@ def _write_snapshots(warehouse: Warehouse, topics: list[str], config: SnapshotCo
         counts = {r.topic: r.segment_count for r in cut.select("topic", "segment_count").distinct().collect()}
         alone = [t for t in topics if t not in counts]  # no aborts: `topic-end` alone, cut in the driver
         if alone:
-            ends = cut_segments(pa.table({c: [] for c in ABORTED_COLUMNS}, schema=_ABORTED_ARROW), plan, config, alone)
+            ends = cut_segments(_ABORTED_ARROW.empty_table(), plan, config, alone)
             cut = cut.unionByName(local_frame(warehouse.spark, ends, UNNUMBERED_STRUCT))
             counts.update({t: 1 for t in alone})
         segments = cut.withColumn(_ROW, F.monotonically_increasing_id()).localCheckpoint()

@@ -1,7 +1,7 @@
 """What a snapshot run writes and keeps, once, over Arrow (docs/snapshots.md).
 
 The segments of a topic's abort set (`cut_segments`), the order that numbers a commit's rows
-(`with_write_seq`), the tombstones of stale numbered keys (`stale_parts`), what compaction keeps
+(`write_seqs`), the tombstones of stale numbered keys (`stale_parts`), what compaction keeps
 (`compaction_keeps`) and the per-topic state with its trigger verdict (`snapshot_state_table`).
 The driver's writer calls them on tables read by delta-rs; the Spark writer (`snapshots.jobs`) on
 the segment rows' narrow columns, collected, or per topic in a Python worker (`cut_segments`).
@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from txn_engine.core.schema import TXN_SNAPSHOT_SEGMENTS_SCHEMA, TXN_SNAPSHOT_STATE_SCHEMA
 from txn_engine.snapshots.format import END_SUFFIX, SnapshotConfig
-from txn_engine.snapshots.index import BAD_REASON, end_keys, live_ends, live_snapshot_index, part_numbers
+from txn_engine.snapshots.index import BAD_REASON, as_array, end_keys, live_ends, live_snapshot_index, part_numbers
 from txn_engine.snapshots.triggers import TriggerConfig, due_reasons
 from txn_engine.storage.arrow_frames import arrow_schema
 
@@ -40,10 +40,6 @@ class Planned(NamedTuple):
     max_read_entry_id: int | None
 
 
-def _array(values: pa.Array | pa.ChunkedArray) -> pa.Array:
-    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-
-
 def cut_segments(aborted: pa.Table, plan: Mapping[str, Planned], config: SnapshotConfig,
                  topics: list[str] | None = None) -> pa.Table:
     """The segments (`UNNUMBERED_SCHEMA`) of a snapshot of each of `topics` (default: the plan's).
@@ -53,12 +49,12 @@ def cut_segments(aborted: pa.Table, plan: Mapping[str, Planned], config: Snapsho
     going to `topic-end`, which alone carries the max read position (PIP-178)."""
     topics = sorted(plan if topics is None else topics)
     rows = aborted.select(list(ABORTED_COLUMNS))
-    rows = rows.filter(pc.is_in(_array(rows["topic"]).cast(pa.string()), pa.array(topics, pa.string())))
+    rows = rows.filter(pc.is_in(as_array(rows["topic"]).cast(pa.string()), pa.array(topics, pa.string())))
     rows = rows.take(pc.sort_indices(rows, sort_keys=[("topic", "ascending"), ("abort_ledger_id", "ascending"),
                                                       ("abort_entry_id", "ascending")]))
-    held = dict(zip(*(c.to_pylist() for c in pc.value_counts(_array(rows["topic"]).cast(pa.string())).flatten())))
+    held = dict(zip(*(c.to_pylist() for c in pc.value_counts(as_array(rows["topic"]).cast(pa.string())).flatten())))
     values = pa.StructArray.from_arrays(
-        [_array(rows[c]) for c in ABORTED_COLUMNS[1:]],
+        [as_array(rows[c]) for c in ABORTED_COLUMNS[1:]],
         fields=list(SEGMENTS_SCHEMA.field("aborts").type.value_type))
     columns: dict[str, list] = {f.name: [] for f in UNNUMBERED_SCHEMA}
     offsets, start = [0], 0
@@ -97,8 +93,8 @@ def write_seqs(keys: pa.Table, base: int) -> pa.Array:
 def _newest_first(rows: pa.Table, by: list[str]) -> np.ndarray:
     """Row numbers grouped by `by`, each group's rows by `write_seq` descending (nulls last, later
     rows first among equals): the first of a group is its newest row."""
-    keyed = pa.table({**{f"_k{i}": _array(rows[c]) for i, c in enumerate(by)},
-                      "_seq": _array(rows["write_seq"]), "_n": pa.array(np.arange(rows.num_rows), pa.int64())})
+    keyed = pa.table({**{f"_k{i}": as_array(rows[c]) for i, c in enumerate(by)},
+                      "_seq": as_array(rows["write_seq"]), "_n": pa.array(np.arange(rows.num_rows), pa.int64())})
     return pc.sort_indices(keyed, sort_keys=[*((f"_k{i}", "ascending", "at_end") for i in range(len(by))),
                                              ("_seq", "descending", "at_end"), ("_n", "descending", "at_end")]).to_numpy()
 
@@ -106,7 +102,7 @@ def _newest_first(rows: pa.Table, by: list[str]) -> np.ndarray:
 def _firsts(rows: pa.Table, by: list[str]) -> np.ndarray:
     """Whether each row is its group's newest (`_newest_first`)."""
     order = _newest_first(rows, by)
-    keys = list(zip(*(_array(rows[c]).take(pa.array(order)).to_pylist() for c in by)))
+    keys = list(zip(*(as_array(rows[c]).take(pa.array(order)).to_pylist() for c in by)))
     first = np.zeros(rows.num_rows, dtype=bool)
     first[order[[i for i in range(len(keys)) if i == 0 or keys[i] != keys[i - 1]]]] = True
     return first
@@ -118,9 +114,9 @@ def stale_parts(rows: pa.Table, new: Mapping[str, tuple[int, int]]) -> pa.Table:
     one already: the stale parts of an older, longer snapshot. `rows`: the stored segments'
     `snapshot_key`, `topic`, `write_seq`, `tombstone`."""
     latest = rows.filter(pa.array(_firsts(rows, ["snapshot_key"])))
-    topic = _array(latest["topic"]).cast(pa.string())
+    topic = as_array(latest["topic"]).cast(pa.string())
     part = part_numbers(topic, latest["snapshot_key"]).to_pylist()
-    tomb = pc.fill_null(_array(latest["tombstone"]), False).to_pylist()
+    tomb = pc.fill_null(as_array(latest["tombstone"]), False).to_pylist()
     picked = [(k, t, new[t][0], p) for k, t, p, dead in zip(latest["snapshot_key"].to_pylist(), topic.to_pylist(), part, tomb)
               if t in new and not dead and p is not None and p >= new[t][1]]
     picked.sort(key=lambda r: (r[1], r[3]))
@@ -137,9 +133,9 @@ def compaction_keeps(rows: pa.Table) -> pa.Array:
     whether compaction keeps it: the latest row of its key unless a tombstone, and the newest row
     of each key of every live snapshot (the one its topic's latest `topic-end` names), which a
     newer, unfinished snapshot may have overwritten."""
-    tomb = pc.fill_null(_array(rows["tombstone"]), False).to_numpy(zero_copy_only=False)
-    ids = _array(rows["snapshot_id"]).to_pylist()
-    topics = _array(rows["topic"]).to_pylist()
+    tomb = pc.fill_null(as_array(rows["tombstone"]), False).to_numpy(zero_copy_only=False)
+    ids = as_array(rows["snapshot_id"]).to_pylist()
+    topics = as_array(rows["topic"]).to_pylist()
     live = {t: ids[i] for t, i in live_ends(rows).items()}
     latest = _firsts(rows, ["snapshot_key"])
     of_snapshot = _firsts(rows.append_column("_tomb", pa.array(tomb)), ["snapshot_key", "snapshot_id", "_tomb"])
@@ -165,14 +161,14 @@ def snapshot_state_table(meta: pa.Table, count_facts: Callable[[dict[str, tuple[
     index = live_snapshot_index(meta)
     facts = count_facts({t: (s.max_read.ledger_id, s.max_read.entry_id) for t, s in index.items()
                          if s.fallback_reason is None})
-    good = np.flatnonzero(pc.is_null(_array(meta[BAD_REASON])).to_numpy(zero_copy_only=False))
+    good = np.flatnonzero(pc.is_null(as_array(meta[BAD_REASON])).to_numpy(zero_copy_only=False))
     ends = {t: int(good[i]) for t, i in live_ends(meta.take(good)).items()}
-    seq, written = _array(meta["write_seq"]).to_pylist(), _array(meta["written_at"]).to_pylist()
+    seq, written = as_array(meta["write_seq"]).to_pylist(), as_array(meta["written_at"]).to_pylist()
     end_seq = {t: seq[i] for t, i in ends.items()}
     unfinished: dict[str, int] = {}
     is_end = end_keys(meta["topic"], meta["snapshot_key"]).to_pylist()
-    tomb = pc.fill_null(_array(meta["tombstone"]), False).to_pylist()
-    for topic, end, dead, s in zip(_array(meta["topic"]).to_pylist(), is_end, tomb, seq):
+    tomb = pc.fill_null(as_array(meta["tombstone"]), False).to_pylist()
+    for topic, end, dead, s in zip(as_array(meta["topic"]).to_pylist(), is_end, tomb, seq):
         if topic is not None and end is False and not dead and (
                 end_seq.get(topic) is None or (s is not None and s > end_seq[topic])):
             unfinished[topic] = unfinished.get(topic, 0) + 1

@@ -355,9 +355,11 @@ class DeltaTables:
             handle = self.warehouse.delta_rs_table(self.warehouse.path(table), version)  # the cached handle stays at the latest
         return handle
 
-    def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None) -> pa.Table:
-        """The table as Arrow (only `columns`), or an empty table of `schema` when it does not exist."""
-        handle = self._handle(table)
+    def read(self, table: str, schema: T.StructType, columns: Sequence[str] | None = None,
+             version: int | None = None) -> pa.Table:
+        """The table as Arrow (only `columns`) at `version` (else the latest), or an empty table of
+        `schema` when it does not exist."""
+        handle = self._handle(table) if version is None else self.snapshot(table, version)
         target = arrow_schema(schema)
         if columns is not None:
             target = pa.schema([target.field(c) for c in columns])

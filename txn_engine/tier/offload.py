@@ -283,7 +283,7 @@ def offload_ledgers(
                                kept_from=FROM_LEDGER_ENTRIES if recorded is None else COMMITTED_ENTRIES,
                                step_seconds=lap.seconds)  # later laps land there too
         manifest_commit = DeltaTables(wh).last_commit(OFFLOAD_MANIFEST)
-        in_manifest = _manifest_ledgers(wh, manifest_commit and manifest_commit["version"])
+        in_manifest = offloaded_ledgers(wh, version=manifest_commit["version"]) if manifest_commit else set()
         tier_version = wh.version(OFFLOADED_ENTRIES)
         clean_at = (manifest_commit or {}).get(TIER_CLEAN_AT)
         result.tier_scanned = tier_version is not None and str(tier_version) != clean_at
@@ -392,15 +392,6 @@ def _recorded_tables(wh: Warehouse, state_version: int) -> RecordedBufferTables 
         # A row per topic, by delta-rs: no Spark job.
         stable_rows=DeltaTables(wh).dataset(STABLE_POSITIONS, at[STABLE_POSITIONS]).to_table().to_pylist(),
     )
-
-
-def _manifest_ledgers(wh: Warehouse, version: int | None) -> set[LedgerKey]:
-    """The ledgers with a manifest row at `version` (none when there is no manifest): a row per
-    ledger, read by delta-rs, without the Spark jobs of a Delta scan."""
-    if version is None:
-        return set()
-    rows = DeltaTables(wh).dataset(OFFLOAD_MANIFEST, version).to_table(columns=["topic", "ledger_id"])
-    return set(zip(rows["topic"].to_pylist(), rows["ledger_id"].to_pylist()))
 
 
 def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey]:
@@ -613,10 +604,12 @@ def tier_uncommitted(wh: Warehouse) -> TierUncommitted:
     return TierUncommitted(markers, counts.get(EntryType.ABORT.value, 0), counts.get(ONGOING, 0))
 
 
-def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None) -> set[LedgerKey]:
-    """The ledgers the tier holds: those with a manifest row (the offload's commit point). A row
-    per ledger, read by delta-rs: no Spark job, so the engine's consumer reads the tier without a JVM."""
-    manifest = DeltaTables(warehouse).read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"]).to_pylist()
+def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None, version: int | None = None) -> set[LedgerKey]:
+    """The ledgers the tier holds: those with a manifest row (the offload's commit point), at the
+    manifest's `version` (else its latest). A row per ledger, read by delta-rs: no Spark job, so
+    the engine's consumer reads the tier without a JVM."""
+    manifest = DeltaTables(warehouse).read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"],
+                                           version).to_pylist()
     return {(r["topic"], r["ledger_id"]) for r in manifest if topic is None or r["topic"] == topic}
 
 
