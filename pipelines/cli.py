@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import gc
 import os
 import signal
@@ -842,18 +844,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         except TxnlakeError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
-    try:
-        return _main(args, argv)
-    finally:
-        _let_arrow_scans_wind_down()
+    _wind_down_arrow_scans_at_exit()
+    return _main(args, argv)
 
 
-def _let_arrow_scans_wind_down() -> None:
+@functools.cache
+def _wind_down_arrow_scans_at_exit() -> None:
     """pyarrow's dataset scans can leave reader threads running a moment after they return; one
     still running when the interpreter finalizes aborts the process ("terminate called without an
     active exception", exit 134; apache/arrow#39862, #34314): `txnlake offload` ended so in 4 of 8
-    runs on the demo warehouse (its work all done and committed). Their objects are collected
-    and their threads get that moment while Arrow is still alive."""
+    runs on the demo warehouse (its work all done and committed). At exit, once (atexit runs
+    before finalization), their objects are collected and their threads get that moment while
+    Arrow is still alive; not after every command, which a process running many pays each time."""
+    atexit.register(_let_arrow_scans_wind_down)
+
+
+def _let_arrow_scans_wind_down() -> None:
     gc.collect()
     time.sleep(0.2)
 

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -103,40 +104,66 @@ print("\\n@@ probe\\n" + json.dumps({"driver_host": spark.conf.get("spark.driver
 """
 
 
-def txnlake_session(commands: list[list[str]], env: dict[str, str]) -> dict[str, str]:
-    """The commands' outputs by command name, all run in one fresh process; fails the test with its
-    output if one fails."""
-    done = subprocess.run([sys.executable, "-c", SESSION, json.dumps(commands)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
-    assert done.returncode == 0, failure([c[0] for c in commands], env, done)
-    commands_out, probe = done.stdout.split("\n@@ probe\n")
-    outputs = commands_out.split("\n@@ txnlake ")[1:]
-    assert len(outputs) == len(commands), done.stdout[-4000:]
-    return {**{command[0]: output.split("\n", 1)[1] for command, output in zip(commands, outputs)},  # after its marker line
-            "probe": probe}
+@dataclass
+class Session:
+    """The commands of `start_session`, running in a process of their own."""
+
+    commands: list[list[str]]
+    env: dict[str, str]
+    process: subprocess.Popen
+
+    def outputs(self) -> dict[str, str]:
+        """Once it ends: the outputs by command name (and the probe's); a failure of the test, with
+        its output, if a command failed."""
+        try:
+            stdout, stderr = self.process.communicate(timeout=COMMAND_TIMEOUT)
+        finally:
+            self.stop()  # when it timed out
+        done = subprocess.CompletedProcess(self.process.args, self.process.returncode, stdout, stderr)
+        assert done.returncode == 0, failure([c[0] for c in self.commands], self.env, done)
+        commands_out, probe = done.stdout.split("\n@@ probe\n")
+        outputs = commands_out.split("\n@@ txnlake ")[1:]
+        assert len(outputs) == len(self.commands), done.stdout[-4000:]
+        return {**{command[0]: output.split("\n", 1)[1] for command, output in zip(self.commands, outputs)},  # after its marker
+                "probe": probe}
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
 
 
-def run_cli_end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str], session=None) -> str:
+def start_session(commands: list[list[str]], env: dict[str, str]) -> Session:
+    """The commands started, all in one fresh process (`SESSION`)."""
+    return Session(commands, env, subprocess.Popen([sys.executable, "-c", SESSION, json.dumps(commands)], cwd=REPO, env=env,
+                                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+
+
+def end_to_end(folder: Path, log: str, topic: str, extra_env: dict[str, str]) -> tuple[list[list[str]], dict[str, str]]:
     """ingest, run, snapshot, offload, retention (all but each topic's newest ledger), read, into the
-    warehouse `extra_env` names (default: one of its own under `folder`), in one fresh process or
-    through `session` (`in_this_process`); the read's output and the fresh process's probe of its
-    executors (`SESSION`)."""
+    warehouse `extra_env` names (default: one of its own under `folder`): the commands and their
+    environment, with a Dagster home of its own (as the CLI prepares one: tests/test_cli.py)."""
     from pipelines.cli import DAGSTER_YAML
 
-    home = folder / "dagster_home"  # as the CLI prepares one (tests/test_cli.py): its runs and partitions only
+    home = folder / "dagster_home"
     home.mkdir(parents=True)
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
     env = cli_env({"TXNLAKE_WAREHOUSE": str(folder / "warehouse"), "DAGSTER_HOME": str(home), **extra_env})
-    out = (session or txnlake_session)([["ingest", log], ["run"], ["snapshot"], ["offload"],
-                                        ["retention", "--keep-ledgers", "1"], ["read", topic, "--max", "50"]], env)
+    return [["ingest", log], ["run"], ["snapshot"], ["offload"], ["retention", "--keep-ledgers", "1"],
+            ["read", topic, "--max", "50"]], env
+
+
+def read_output(out: dict[str, str]) -> tuple[str, str | None]:
+    """Of an `end_to_end` session's outputs, once checked that it offloaded and deleted ledgers: the
+    read's output, and the fresh process's probe of its executors (`SESSION`)."""
     assert "FAILED" not in out["offload"] and "offloaded 0 ledger(s)" not in out["offload"], out["offload"]
     assert "nothing to do" not in out["retention"] and "deleted 0 ledger(s)" not in out["retention"], out["retention"]
     return out["read"], out.get("probe")
 
 
 def in_this_process(monkeypatch, capsys):
-    """A `txnlake_session` in the test's own process and SparkSession (local mode, already warm):
-    `pipelines.cli.main` per command, in the session's environment."""
+    """A session's commands (`start_session`) run at once in the test's own process and SparkSession
+    (local mode, already warm): `pipelines.cli.main` per command, in the session's environment."""
     from pipelines.cli import main
 
     def session(commands: list[list[str]], env: dict[str, str]) -> dict[str, str]:
@@ -211,13 +238,18 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
         return {a["id"]: a for a in spark_cluster.state()["completedapps"]}
 
     before = apps()
-    # Local mode in this process's warm session; the cluster's commands in a process of their own.
-    local_read, _ = run_cli_end_to_end(tmp_path / "local", str(log), topic, {}, in_this_process(monkeypatch, capsys))
-    assert apps() == before, "local mode must not touch the cluster"
+    # The cluster's commands in a process of their own, started first: they mostly wait (on
+    # executors, the store), so local mode runs meanwhile, in this process's warm session.
     # TXNLAKE_COMPUTE=spark: every buffer run on Spark (the kernel in the executors' Python
     # workers), not in the driver, which this small log would otherwise take.
-    cluster_read, cluster_probe = run_cli_end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
-        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **s3_store.env("warehouse")})
+    cluster = start_session(*end_to_end(tmp_path / "cluster", f"s3://{s3_store.bucket}/inputs/log.jsonl", topic, {
+        "TXNLAKE_SPARK_MASTER": spark_cluster.url, "TXNLAKE_COMPUTE": "spark", **s3_store.env("warehouse")}))
+    try:
+        local_read, _ = read_output(in_this_process(monkeypatch, capsys)(*end_to_end(tmp_path / "local", str(log), topic, {})))
+    except BaseException:
+        cluster.stop()
+        raise
+    cluster_read, cluster_probe = read_output(cluster.outputs())
     assert computed_by(tmp_path / "local") == {"driver"} and computed_by(tmp_path / "cluster") == {"spark"}
 
     # Executors' Python workers imported this checkout's packages from the zip the driver shipped,
@@ -231,8 +263,8 @@ def test_the_cli_on_a_standalone_cluster_and_s3_matches_local_mode(spark_cluster
             # SparkFiles' copy in the executor's work dir, e.g. ./txnlake-code-<hash>.zip/txn_engine/core/positions.py
             assert "txnlake-code-" in origin and ".zip/" in origin, (package, origin)
 
-    # The cluster ran the work: the commands' application had executors on both workers, each
-    # small enough for a 2 GiB worker.
+    # The cluster ran the work, and only the commands' application (local mode never touched it):
+    # it had executors on both workers, each small enough for a 2 GiB worker.
     ran = [a for key, a in apps().items() if key not in before]
     assert len(ran) == 1 and {a["name"] for a in ran} == {"txnlake"}, ran
     assert all(a["memoryperexecutor"] <= 2048 for a in ran), ran

@@ -9,6 +9,7 @@ the asset runs them with DuckDB in the driver instead (`runs_in_driver`), over t
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,10 @@ class SqlModel:
     view: bool = False
 
 
+@functools.lru_cache(maxsize=256)
 def referenced_tables(sql: str) -> tuple[str, ...]:
-    """The tables a query reads, sorted; CTE names are not tables."""
+    """The tables a query reads, sorted; CTE names are not tables. Cached: every command that
+    lists the models (the asset graph, `txnlake sql`) parses the same files again."""
     try:
         statements = sqlglot.parse(sql, read="spark")
     except sqlglot.errors.ParseError as exc:
