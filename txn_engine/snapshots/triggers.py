@@ -13,6 +13,8 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from txn_engine.snapshots.index import as_array
+
 # The columns `due_reasons` reads of each topic.
 DUE_COLUMNS = ("has_snapshot", "unfinished", "first_due", "changes_since_snapshot", "last_snapshot_at")
 
@@ -32,11 +34,6 @@ class TriggerConfig:
             raise ValueError(f"interval_seconds must be positive, got {self.interval_seconds}")
 
 
-def _column(rows: pa.Table | pa.RecordBatch, name: str) -> pa.Array:
-    values = rows.column(name)
-    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
-
-
 def _whole(values: pa.Array) -> pa.Array:
     """Numbers as text without decimals, rounded half up (as Java's `%.0f`)."""
     return pc.round(values, round_mode="half_up").cast(pa.int64()).cast(pa.string())
@@ -49,14 +46,14 @@ def due_reasons(rows: pa.Table | pa.RecordBatch, config: TriggerConfig, now: dat
     data); an unfinished snapshot (parts without their end: its writer stopped, written again);
     with a snapshot, `max_changes` changes since it, or any change and `interval_seconds` since it.
     """
-    has = pc.fill_null(_column(rows, "has_snapshot"), False)
-    changes = pc.fill_null(_column(rows, "changes_since_snapshot"), 0).cast(pa.int64())
-    last = _column(rows, "last_snapshot_at").cast(pa.timestamp("us", "UTC")).cast(pa.int64())
+    has = pc.fill_null(as_array(rows.column("has_snapshot")), False)
+    changes = pc.fill_null(as_array(rows.column("changes_since_snapshot")), 0).cast(pa.int64())
+    last = as_array(rows.column("last_snapshot_at")).cast(pa.timestamp("us", "UTC")).cast(pa.int64())
     age = pc.subtract(pa.scalar(now.timestamp()), pc.divide(last.cast(pa.float64()), 1e6))
     text = changes.cast(pa.string())
     reasons = {  # in order: (condition, reason)
-        "first": (_column(rows, "first_due"), pa.scalar("first snapshot: the topic has transactional data")),
-        "unfinished": (_column(rows, "unfinished"),
+        "first": (as_array(rows.column("first_due")), pa.scalar("first snapshot: the topic has transactional data")),
+        "unfinished": (as_array(rows.column("unfinished")),
                        pa.scalar("an unfinished snapshot (parts without their end, its writer stopped): written again")),
         "changes": (pc.and_(has, pc.greater_equal(changes, config.max_changes)),
                     pc.binary_join_element_wise(text, f" changes since the last snapshot (threshold {config.max_changes})", "")),
