@@ -217,18 +217,6 @@ def test_missing_columns_are_named():
         kernel.require_ledger_entries(arrow_entries([e(1, 0)]).drop_columns(["payload"]))
 
 
-def test_by_topic_keeps_each_topics_rows_in_order_whatever_the_batches_hold():
-    # Sorted batches (a file of the log) and interleaved ones (appends of several ingests).
-    rows = [e(1, i, topic=t) for i, t in enumerate("aabbbca")] + [e(2, i, topic=t) for i, t in enumerate("cbca")]
-    table = arrow_entries(rows)
-    split = kernel.by_topic(table.to_batches(max_chunksize=4), table.schema)
-    assert sorted(split) == ["a", "b", "c"]
-    for topic, rows_of_topic in split.items():
-        assert rows_of_topic.schema == table.schema
-        assert rows_of_topic.to_pylist() == [r for r in table.to_pylist() if r["topic"] == topic]
-    assert kernel.by_topic(table.slice(0, 0).to_batches(), table.schema) == {}
-
-
 # No shrinking needed to read a failure: the message names the history, as short tuples.
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                                                    HealthCheck.data_too_large])

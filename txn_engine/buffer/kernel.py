@@ -159,29 +159,6 @@ def first_per_group(table: pa.Table, keys: list[str], order: list[str]) -> pa.Ta
     return ordered.filter(pa.array(group_starts(ordered, keys)))
 
 
-def topic_runs(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
-    """The runs of one topic of a batch, in order (one per topic when the batch is sorted by topic),
-    as zero-copy slices."""
-    topics = batch.column("topic")
-    n = batch.num_rows
-    if n == 0:
-        return
-    changes = pc.indices_nonzero(pc.not_equal(topics.slice(1), topics.slice(0, n - 1))).to_numpy() + 1
-    bounds = [0, *changes.tolist(), n]
-    for start, end in zip(bounds, bounds[1:]):
-        yield batch.slice(start, end - start)
-
-
-def by_topic(batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> dict[str, pa.Table]:
-    """The rows of `batches` per topic, as zero-copy slices of them (the log's files hold runs of
-    a topic in position order, so a batch holds few)."""
-    runs: dict[str, list[pa.RecordBatch]] = {}
-    for batch in batches:
-        for run in topic_runs(batch):
-            runs.setdefault(run.column("topic")[0].as_py(), []).append(run)
-    return {topic: pa.Table.from_batches(topic_batches, schema=schema) for topic, topic_batches in runs.items()}
-
-
 def rows_mask(num_rows: int, rows: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A mask of `num_rows` rows, True at these row numbers (`_row`)."""
     mask = np.zeros(num_rows, dtype=bool)

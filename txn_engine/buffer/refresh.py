@@ -462,8 +462,8 @@ def _refresh_in_driver(wh: Warehouse, tables: DeltaTables, old_stable: list[Row]
 
 
 def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, after_write) -> BufferRefresh:
-    """A full run small enough for the driver: the log read by delta-rs, each topic computed in
-    Arrow (`kernel.scope_tables` over all its ledgers, with no state), a thread per core, then
+    """A full run small enough for the driver: each topic read by delta-rs and computed in Arrow
+    (`kernel.scope_tables` over all its ledgers, with no state), a thread per core, then
     every table written by delta-rs; the same rows as `_refresh_on_spark`.
 
     Per topic because every fact of the buffer is a topic's own (its keys all start with the
@@ -474,11 +474,7 @@ def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan,
     """
     source = tables.dataset(LEDGER_ENTRIES)
     require_ledger_entries(source.schema.empty_table())
-    # One scan of the log (pyarrow reads its files in parallel), split by topic without copies:
-    # a scan per topic decodes each row group once per topic it holds.
-    log = source.to_table()
-    by_topic = kernel.by_topic(log.to_batches(), log.schema)
-    topics = list(by_topic)
+    topics = pc.unique(source.to_table(columns=["topic"])["topic"]).to_pylist()
     # Biggest first (by the catalog's ledger count), so the last topic to finish is a small one.
     ledger_count = Counter(topic for topic, _, _ in plan.last_entries)
 
@@ -487,7 +483,8 @@ def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan,
         return kernel.wide_tables(decided, entries), decided.violations
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="buffer-topic") as pool:
-        parts = list(pool.map(lambda topic: tables_of(by_topic[topic]), sorted(topics, key=lambda t: (-ledger_count[t], t))))
+        parts = list(pool.map(lambda topic: tables_of(source.to_table(filter=pc.field("topic") == topic)),
+                              sorted(topics, key=lambda t: (-ledger_count[t], t))))
     if not parts:  # an empty log: the tables of no entries
         parts = [tables_of(arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table())]
     computed = {table: pa.concat_tables([tables[table] for tables, _ in parts]) for table in parts[0][0]}

@@ -164,6 +164,18 @@ class _ScopeRun:
 FOLD_CHUNK_ENTRIES = 1_000_000
 
 
+def _topic_runs(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    """The runs of one topic of a batch sorted by topic."""
+    topics = batch.column("topic")
+    n = batch.num_rows
+    if n == 0:
+        return
+    changes = pc.indices_nonzero(pc.not_equal(topics.slice(1), topics.slice(0, n - 1))).to_numpy() + 1
+    bounds = [0, *changes.tolist(), n]
+    for start, end in zip(bounds, bounds[1:]):
+        yield batch.slice(start, end - start)
+
+
 def ledger_chunks(batches: Iterable[pa.RecordBatch], entries: int) -> Iterator[pa.Table]:
     """Batches sorted by (topic, ledger_id, entry_id) as tables of whole ledgers of one topic: each
     of at least `entries` rows (but a topic's last), ending at a ledger's end; each in one piece
@@ -171,7 +183,7 @@ def ledger_chunks(batches: Iterable[pa.RecordBatch], entries: int) -> Iterator[p
     held: list[pa.RecordBatch] = []
     count = 0
     for batch in batches:
-        for run in kernel.topic_runs(batch):
+        for run in _topic_runs(batch):
             if held and held[0].column("topic")[0] != run.column("topic")[0]:
                 yield pa.Table.from_batches(held).combine_chunks()
                 held, count = [], 0
