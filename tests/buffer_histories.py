@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any, Iterable
 
+import pyarrow as pa
 from hypothesis import strategies as st
 from pyspark.sql import DataFrame
 
@@ -20,6 +21,7 @@ from txn_engine.core.schema import (
     LEDGER_ENTRY_COLUMNS,
 )
 from txn_engine.reference.transaction_buffer import replay
+from txn_engine.storage.delta_io import DeltaTables
 
 T1, T2, T3 = TxnId(0, 1), TxnId(0, 2), TxnId(0, 3)
 EPOCH = datetime(2026, 1, 1)
@@ -57,6 +59,27 @@ def rows_by_topic(frame_: DataFrame) -> dict[str, list[tuple]]:
     for row in frame_.collect():
         out.setdefault(row["topic"], []).append(plain(row))
     return {topic: sorted(rows) for topic, rows in out.items()}
+
+
+def stored_rows_by_topic(wh, table: str) -> dict[str, list[tuple]]:
+    """`rows_by_topic` of `table` as stored, in the contract's columns (without the readable
+    `txn_id`), read by delta-rs: the values Spark's collect gives (times naive UTC), no Spark job."""
+    data = DeltaTables(wh).dataset(table).to_table()
+    data = data.drop_columns([c for c in ("txn_id",) if c in data.column_names])
+    naive = pa.schema([f.with_type(pa.timestamp(f.type.unit)) if pa.types.is_timestamp(f.type) else f for f in data.schema])
+    out: dict[str, list[tuple]] = {}
+    for row in data.cast(naive).to_pylist():
+        out.setdefault(row["topic"], []).append(tuple(_as_collected(v) for v in row.values()))
+    return {topic: sorted(rows) for topic, rows in out.items()}
+
+
+def _as_collected(value: Any) -> Any:
+    """A value as `plain` leaves a Spark-collected one: structs as tuples (Rows are), lists of them."""
+    if isinstance(value, dict):
+        return tuple(_as_collected(v) for v in value.values())
+    if isinstance(value, list):
+        return [_as_collected(v) for v in value]
+    return value
 
 
 # -- what the reference says, in the tables' row shapes -------------------------------------------

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import json
 import uuid
 from dataclasses import dataclass, field
 from functools import reduce
@@ -60,6 +61,7 @@ from txn_engine.log.input_files import (
     unknown_columns_error,
 )
 from txn_engine.log.ledgers import immutable_ledgers, ledger_ranges
+from txn_engine.log.spark_columns import built_per_session
 from txn_engine.core.schema import (
     ENTRY_TYPES,
     TIMESTAMP_TYPES,
@@ -253,7 +255,13 @@ _UNKNOWN_COLUMNS = ArrayType(StringType())
 
 
 def _parse_jsonl(lines: DataFrame, path: str) -> DataFrame:
-    lines = lines.filter(F.trim("raw") != "")
+    not_blank, parsed, columns = _jsonl_columns()
+    return lines.filter(not_blank).withColumn("j", parsed).select(*columns)
+
+
+@built_per_session
+def _jsonl_columns() -> tuple[Column, Column, tuple[Column | str, ...]]:
+    """`_parse_jsonl`'s filter of blank lines, its parse of a line (as `j`), and the columns it selects."""
     parsed = F.from_json("raw", _JSONL_SCHEMA, {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"})
     malformed = F.col("j._corrupt_record").isNotNull() | ~F.ltrim("raw").startswith("{")
     columns, value_errors = [], []
@@ -269,7 +277,7 @@ def _parse_jsonl(lines: DataFrame, path: str) -> DataFrame:
             F.lower(F.split_part(kind, F.lit("<"), F.lit(1))),
             F.lit("); write it as a JSON string (in double quotes) and ingest the row again"),
         )))
-    return lines.withColumn("j", parsed).select(
+    return F.trim("raw") != "", parsed, (
         "source_file",
         "line",
         "raw",
@@ -364,10 +372,17 @@ def validate(raw: DataFrame) -> DataFrame:
 
     `raw` is one file's rows (`read_raw`): its column types say which format's rules apply.
     """
+    return raw.select(*_validated_columns(raw.schema.json()))
+
+
+@built_per_session
+def _validated_columns(raw_schema: str) -> tuple[Column | str, ...]:
+    """`validate`'s columns over a `read_raw` frame of this schema (as JSON)."""
+    schema = StructType.fromJson(json.loads(raw_schema))
     typed: dict[str, Column] = {}
     errors: list[Column] = [F.col("_parse_error")]
     for target in LEDGER_ENTRIES_SCHEMA.fields:
-        value, error = _typed(raw, target.name, target.dataType)
+        value, error = _typed(schema, target.name, target.dataType)
         typed[target.name] = value
         errors.append(error)
 
@@ -446,7 +461,7 @@ def validate(raw: DataFrame) -> DataFrame:
     # Higher-order functions run interpreted, row by row: only a row with a problem builds the list.
     has_problem = (F.col("_parse_error").isNotNull() | F.coalesce(*errors[1:]).isNotNull()
                    | (F.coalesce(F.size("_value_errors"), F.lit(0)) > 0))
-    return raw.select(
+    return (
         "source_file",
         "line",
         "raw",
@@ -461,10 +476,10 @@ def validate(raw: DataFrame) -> DataFrame:
     )
 
 
-def _typed(raw: DataFrame, name: str, target) -> tuple[Column, Column]:
+def _typed(raw_schema: StructType, name: str, target) -> tuple[Column, Column]:
     """(typed value, error message or null) for one column, from a string or an already typed source."""
     col = F.col(name)
-    source_type = raw.schema[name].dataType
+    source_type = raw_schema[name].dataType
     if isinstance(target, TimestampType):
         return _publish_time(name, source_type)
     if isinstance(source_type, type(target)) and not isinstance(target, StringType):
@@ -586,9 +601,10 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
                                 existing.join(F.broadcast(ledgers), ["topic", "ledger_id"], "left_semi"))
         # The others skip the window and the join, the two shuffles of full rows; the invalid rows
         # go with them, so that nothing compared means one pass over `validated`, without a union.
+        columns, added = validated.columns, compared.schema
         alone = marked.where(F.col("_suspect").isNull() | invalid_rule).select(
-            *validated.columns, *[F.lit(None).cast(compared.schema[c].dataType).alias(c) for c in compared.columns
-                                  if c not in validated.columns and c != "_compared"], F.lit(False).alias("_compared"))
+            *columns, *[F.lit(None).cast(f.dataType).alias(f.name) for f in added.fields
+                        if f.name not in columns and f.name != "_compared"], F.lit(False).alias("_compared"))
         joined = alone if not suspect else compared.unionByName(alone)
     if immutable is None:
         joined = joined.select("*", *[F.lit(None).cast(t).alias(c) for c, t in (
@@ -605,6 +621,20 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
                         .groupBy("topic").agg(F.max(F.struct("ledger_id", "state")).alias("_t"))
                         .select("topic", F.col("_t.ledger_id").alias("_tier_ledger"), F.col("_t.state").alias("_tier_state")))
         joined = joined.join(F.broadcast(last_in_tier), ["topic"], "left")
+    checked = joined.select(*_classified_columns())
+    if suspect is not None:
+        return checked
+    invalid = validated.filter(invalid_rule).select(
+        "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
+        F.lit(QUARANTINED).alias("status"), "rule", "reason", F.lit(False).alias("_compared"),
+    )
+    return checked.unionByName(invalid)
+
+
+@built_per_session
+def _classified_columns() -> tuple[Column | str, ...]:
+    """`classify`'s columns over the rows joined with what decides them (`_by_position`, the sealed ledgers)."""
+    invalid_rule = F.col("rule").isNotNull()  # by `validate`
     position = F.concat_ws(" ", F.col("topic"), F.concat_ws(":", F.col("ledger_id"), F.col("entry_id")))
     by_position = (
         F.when(F.col("_input_status").isNotNull(), F.col("_input_status"))
@@ -670,38 +700,32 @@ def classify(validated: DataFrame, existing: DataFrame, immutable: DataFrame | N
             F.lit(" already holds a different entry in ledger_entries; stored entries are never overwritten"),
         ),
     ).when(before_tier, before_tier_reason).when(status == QUARANTINED, sealed_reason)
-    checked = joined.select(
+    return (
         "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
         F.when(invalid_rule, F.lit(QUARANTINED)).otherwise(status).alias("status"),
         F.when(invalid_rule, F.col("rule")).otherwise(rule).alias("rule"),
         F.when(invalid_rule, F.col("reason")).otherwise(reason).alias("reason"), "_compared",
     )
-    if suspect is not None:
-        return checked
-    invalid = validated.filter(invalid_rule).select(
-        "source_file", "line", "raw", "_unknown_columns", *LEDGER_ENTRY_COLUMNS,
-        F.lit(QUARANTINED).alias("status"), "rule", "reason", F.lit(False).alias("_compared"),
-    )
-    return checked.unionByName(invalid)
 
 
 def _by_position(valid: DataFrame, existing: DataFrame) -> DataFrame:
     """`valid` with `_input_status` (by the other input rows at its position) and `_stored` (the
     stored entry there): a window and a join over the full rows."""
+    rank, first, input_status, stored_entry, compared = _position_columns()
+    in_input = valid.withColumn("_rank", rank).withColumn("_first", first).select("*", input_status)
+    stored = existing.select(*POSITION_COLUMNS, stored_entry)
+    return in_input.join(stored, list(POSITION_COLUMNS), "left").withColumn("_compared", compared)
+
+
+@built_per_session
+def _position_columns() -> tuple[Column, ...]:
+    """`_by_position`'s rank and first row of a position in the input, the input status that follows
+    from them, the stored entry as one column, and `_compared`."""
     order = Window.partitionBy(*POSITION_COLUMNS).orderBy("source_file", "line")
-    ranked = valid.withColumn("_rank", F.row_number().over(order)).withColumn(
-        "_first", F.first(F.struct("source_file", "line", *LEDGER_ENTRY_COLUMNS)).over(order)
-    )
-    same_as_first = _same_entry(F.col("_first"))
-    in_input = ranked.select(
-        "*",
-        F.when(F.col("_rank") == 1, F.lit(None))
-        .when(same_as_first, F.lit(REPEATED))
-        .otherwise(F.lit(QUARANTINED))
-        .alias("_input_status"),
-    )
-    stored = existing.select(*POSITION_COLUMNS, F.struct(*LEDGER_ENTRY_COLUMNS).alias("_stored"))
-    return in_input.join(stored, list(POSITION_COLUMNS), "left").withColumn("_compared", F.lit(True))
+    input_status = (F.when(F.col("_rank") == 1, F.lit(None)).when(_same_entry(F.col("_first")), F.lit(REPEATED))
+                    .otherwise(F.lit(QUARANTINED)).alias("_input_status"))
+    return (F.row_number().over(order), F.first(F.struct("source_file", "line", *LEDGER_ENTRY_COLUMNS)).over(order),
+            input_status, F.struct(*LEDGER_ENTRY_COLUMNS).alias("_stored"), F.lit(True))
 
 
 def suspect_ledgers(warehouse: Warehouse, validated: DataFrame,

@@ -14,6 +14,7 @@ from pyspark.sql import functions as F
 
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.positions import ledger_partition_key
+from txn_engine.log.spark_columns import built_per_session
 from txn_engine.core.schema import (
     DELETED_LEDGERS,
     DELETED_LEDGERS_SCHEMA,
@@ -29,6 +30,7 @@ from txn_engine.storage.delta_io import DeltaTables, aggregate_batches, version_
 from txn_engine.storage.warehouse import Warehouse
 
 
+@built_per_session
 def entry_size_bytes() -> F.Column:
     """Bytes an entry occupies, as txnlake counts them: payload plus key, text or bytes (markers have neither)."""
     return (F.coalesce(F.octet_length("payload"), F.lit(0)) + F.coalesce(F.octet_length("key"), F.lit(0))

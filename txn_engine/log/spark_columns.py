@@ -6,6 +6,11 @@ rules themselves live once, in the kernel (`kernel`).
 
 from __future__ import annotations
 
+import functools
+import weakref
+from typing import Callable, Hashable, TypeVar
+
+from pyspark import SparkContext
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
@@ -15,6 +20,28 @@ from txn_engine.core.log_types import EntryType
 # A broadcast to every executor (the offload's decided transactions) stays within this many bytes
 # of its hash relation; past it the join shuffles (`delta_io.fits_driver` counts it).
 BROADCAST_MAX_BYTES = 1 << 30
+
+Built = TypeVar("Built")
+
+
+def built_per_session(build: Callable[..., Built]) -> Callable[..., Built]:
+    """`build(*args)` (hashable arguments, returning Spark columns), built once per SparkContext and
+    reused: every function a column is built of costs Py4J round trips, and ingest's rules are
+    hundreds of them, the same for every file of a format (docs/benchmarks.md, "Spark settings").
+    Columns are unresolved expressions, shared safely by any number of frames of their session."""
+    built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @functools.wraps(build)
+    def cached(*args: Hashable) -> Built:
+        context = SparkContext._active_spark_context
+        if context is None:
+            return build(*args)
+        known = built.setdefault(context, {})
+        if args not in known:
+            known[args] = build(*args)
+        return known[args]
+
+    return cached
 
 
 def is_data() -> Column:
