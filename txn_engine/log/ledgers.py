@@ -11,6 +11,7 @@ from deltalake import DeltaTable
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.positions import ledger_partition_key
@@ -57,20 +58,24 @@ def catalog_of_ledgers(
     """`derive_ledger_catalog` from the per-ledger rows already aggregated: (topic, ledger_id) and
     any of the catalog's columns (the others are left out of the result). Pure.
 
-    The states are `catalog_states`'s, over the ledgers' keys collected (a row per ledger) and the
-    two Arrow tables; Spark only attaches the other columns to the rows it decided."""
-    spark = per_ledger.sparkSession
-    keys = ["topic", "ledger_id"]
-    per_ledger = per_ledger.localCheckpoint()  # a row per ledger, read twice: the log is scanned once
-    states = catalog_states(per_ledger.select(*keys).toArrow(), known_states, deleted)
-    rows = per_ledger.withColumn(FROM_DELETED, F.lit(False))
-    if deleted is not None and deleted.num_rows:
-        gone = local_frame(spark, deleted, DELETED_LEDGERS_SCHEMA).select(*per_ledger.columns)
-        rows = rows.unionByName(gone.withColumn(FROM_DELETED, F.lit(True)))
-    decided = local_frame(spark, states, f"topic string, ledger_id long, state string, {FROM_DELETED} boolean")
-    catalog = rows.join(F.broadcast(decided), [*keys, FROM_DELETED]).drop(FROM_DELETED)
-    catalog = catalog.withColumn("updated_at", F.current_timestamp())
-    return catalog.select(*[F.col(f.name).cast(f.dataType) for f in LEDGERS_SCHEMA.fields if f.name in catalog.columns])
+    The rows are collected (a row per ledger, one job over the log) and decided in the driver
+    (`catalog_table`); Spark gets them back as a local frame."""
+    return catalog_frame(per_ledger.sparkSession, catalog_table(per_ledger.toArrow(), known_states, deleted))
+
+
+def catalog_frame(spark, catalog: pa.Table) -> DataFrame:
+    """A `catalog_table` as a Spark frame of the catalog's types."""
+    return local_frame(spark, catalog, StructType([f for f in LEDGERS_SCHEMA.fields if f.name in catalog.column_names]))
+
+
+def catalog_table(per_ledger: pa.Table, known_states: pa.Table | None = None, deleted: pa.Table | None = None) -> pa.Table:
+    """`catalog_of_ledgers` in Arrow: each ledger's row with its state (`catalog_states`) and the
+    time it was derived, in the catalog's column order. Pure."""
+    gone = None if deleted is None else deleted.select(per_ledger.column_names)
+    rows = catalog_states(per_ledger, known_states, gone).drop_columns([FROM_DELETED])
+    now = pa.array([datetime.now(timezone.utc)] * rows.num_rows, pa.timestamp("us", tz="UTC"))
+    rows = rows.append_column("updated_at", now)
+    return rows.select([f.name for f in LEDGERS_SCHEMA.fields if f.name in rows.column_names])
 
 
 FROM_DELETED = "from_deleted"  # `catalog_states`: the row is a `deleted_ledgers` row, the ledger has no entries left
@@ -247,8 +252,8 @@ def ledger_ranges_catalog(warehouse: Warehouse, version: int | None = None) -> D
     """The catalog's (topic, ledger_id, first_entry_id, last_entry_id, entry_count, state) as of
     `ledger_entries` at `version`, from `ledger_ranges`: for callers that need no bytes or times
     (offload eligibility), at a fraction of `current_ledger_catalog`'s cost."""
-    ranges = warehouse.spark.createDataFrame(ledger_ranges(warehouse, version))
-    return catalog_of_ledgers(ranges, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
+    return catalog_frame(warehouse.spark, catalog_table(ledger_ranges(warehouse, version), recorded_states_table(warehouse),
+                                                        deleted_ledgers_table(warehouse)))
 
 
 def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None) -> DataFrame:
