@@ -16,7 +16,6 @@ from txn_engine.log.ingest import ingest_files
 from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer.kernel import TXN_KEY
 from txn_engine.buffer.refresh import ledger_inventory, recorded_version_key, refresh_buffer
-from txn_engine.log.spark_columns import BROADCAST_MAX_BYTES
 from txn_engine.buffer.spark_runner import committed_rows, compute_buffer_tables, decide_full
 from txn_engine.storage.upkeep import FILE_RETENTION_PROPERTY
 from txn_engine.tier.offload import (
@@ -84,12 +83,12 @@ def states(warehouse):
 EXPECTED_TIER = [("t", 1, 0), ("t", 1, 1), ("u", 5, 0), ("u", 5, 1)]
 
 
-@pytest.mark.parametrize("broadcast_max_bytes", [BROADCAST_MAX_BYTES, 0], ids=["broadcast", "shuffle"])
-def test_eligibility_filtered_copy_and_manifest(history, tmp_path, broadcast_max_bytes):
-    # With the bound at 0 the decided transactions are joined with the rows by shuffle: the same outcome.
+def test_eligibility_filtered_copy_and_manifest(history, tmp_path):
+    # The decided transactions past the broadcast bound, joined by shuffle, select the same rows:
+    # test_the_kernels_decisions_past_the_broadcast_bound_are_joined_by_shuffle.
     warehouse = history
     started = time.perf_counter()
-    result = offload_ledgers(warehouse, broadcast_max_bytes=broadcast_max_bytes)
+    result = offload_ledgers(warehouse)
     wall = time.perf_counter() - started
     # Where the time went: every step, in order, and together no more than the call took.
     assert list(result.step_seconds) == list(OFFLOAD_STEPS)

@@ -85,8 +85,11 @@ def test_reading_batch_by_batch_never_loops(offloaded, read_budget):
     assert seen == positions(reader.read("t"))
 
 
-def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tmp_path, dagster_resources, capsys,
-                                                                   read_budget):
+# Both read paths at each step (READ_BUDGETS): the steps between the reads are the same for both.
+READ_BUDGETS = ({}, {"driver_max_bytes": 0})
+
+
+def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tmp_path, dagster_resources, capsys):
     # D commits in ledger 4 and ledger 3 (D's second entry, then plain) is offloaded, decided from
     # ledger_entries, before the buffer's tables catch up (published stable 2:3, D ongoing from 2:4).
     ingest_files(offloaded, [str(write_jsonl(tmp_path / "d.jsonl", COMMIT_D))])
@@ -98,17 +101,19 @@ def test_no_read_past_the_published_stable_position_in_either_tier(offloaded, tm
     assert [line.split("\t")[:2] for line in out.splitlines()] == [
         ["1:0", "cold"], ["1:1", "cold"], ["2:0", "hot"], ["2:1", "hot"], ["-- 4 entries; continue with --from 2:2"]]
     assert "behind the log (ledger_entries reaches 4:1)" in err and "run `txnlake run`" in err
-    reader = TopicReader(offloaded, **read_budget)
-    assert positions(reader.read("t")) == [(1, 0, "cold"), (1, 1, "cold"), (2, 0, "hot"), (2, 1, "hot")]
-    assert reader.behind_log("u") is None
+    readers = [TopicReader(offloaded, **budget) for budget in READ_BUDGETS]
+    for reader in readers:
+        assert positions(reader.read("t")) == [(1, 0, "cold"), (1, 1, "cold"), (2, 0, "hot"), (2, 1, "hot")]
+        assert reader.behind_log("u") is None
     # The tier is right, and its check says so although txn_markers does not know D's COMMIT yet.
     check = tier_holds_only_committed_data(**{k: dagster_resources[k] for k in ("spark", "warehouse")})
     assert check.passed, check.metadata
     derive_buffer_tables(offloaded)  # `txnlake run`
-    rest = positions(reader.read("t", Position(2, 2)))
-    assert rest == [(2, 4, "hot"), (3, 0, "cold"), (3, 1, "cold"), (4, 0, "hot")]
-    assert [(1, 0), (1, 1), (2, 0), (2, 1)] + [(l, e) for l, e, _ in rest] == oracle_read(HISTORY + COMMIT_D, "t")
-    assert reader.behind_log("t") is None
+    for reader in readers:
+        rest = positions(reader.read("t", Position(2, 2)))
+        assert rest == [(2, 4, "hot"), (3, 0, "cold"), (3, 1, "cold"), (4, 0, "hot")]
+        assert [(1, 0), (1, 1), (2, 0), (2, 1)] + [(l, e) for l, e, _ in rest] == oracle_read(HISTORY + COMMIT_D, "t")
+        assert reader.behind_log("t") is None
 
 
 def test_reader_errors(warehouse):
