@@ -91,9 +91,9 @@ def test_ledger_ranges_match_the_spark_catalog_at_each_version(warehouse, spark)
         assert {(r["topic"], r["ledger_id"]): (r["first_entry_id"], r["last_entry_id"], r["entry_count"])
                 for r in ranges} == spark_ranges(rows)
     assert spark_ranges(first + second)[("a", 1)] == (0, 5, 6)
-    catalog = {(r.topic, r.ledger_id): r.state for r in ledger_ranges_catalog(warehouse).collect()}
+    catalog = {(r["topic"], r["ledger_id"]): r["state"] for r in ledger_ranges_catalog(warehouse).to_pylist()}
     assert catalog == {("a", 1): "OFFLOADED", ("a", 2): "OPEN", ("b", 4): "OPEN"}
-    assert {(r.topic, r.ledger_id): r.state for r in ledger_ranges_catalog(warehouse, 0).collect()} == {
+    assert {(r["topic"], r["ledger_id"]): r["state"] for r in ledger_ranges_catalog(warehouse, 0).to_pylist()} == {
         ("a", 1): "OFFLOADED", ("b", 4): "OPEN"}
 
 

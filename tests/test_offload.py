@@ -212,7 +212,7 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     ingest(warehouse, tmp_path, HISTORY + COMMIT_D + VIOLATIONS)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     entries = warehouse.read(LEDGER_ENTRIES)
-    catalog = current_ledger_catalog(warehouse, entries)
+    catalog = current_ledger_catalog(warehouse, entries).toArrow()
     state_version = _state_version(warehouse, catalog)
     assert state_version == warehouse.version(BUFFER_LEDGER_TXNS)  # the state describes this log
     # The buffer recorded the versions its run left of the tables the offload reads: they are the

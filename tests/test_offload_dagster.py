@@ -19,7 +19,7 @@ from pipelines.definitions import ALL_ASSETS
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables
 from tests.rows import write_jsonl
 from txn_engine.log.ingest import ingest_files
-from txn_engine.tier.offload import OffloadWaitingError, offload_candidates
+from txn_engine.tier.offload import OffloadWaitingError, eligible_not_offloaded
 from txn_engine.core.positions import ledger_partition_key
 from txn_engine.core.schema import LEDGER_ENTRIES_SCHEMA, OFFLOAD_MANIFEST, OFFLOADED_ENTRIES
 
@@ -96,7 +96,7 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     result, cursor = tick()
     assert isinstance(result, SensorResult)
     wanted = [key(1), key(2), key(3), key(5)]
-    assert wanted == [key(l) for _, l in offload_candidates(warehouse)]
+    assert wanted == [key(l) for _, l in eligible_not_offloaded(warehouse)]
     [request] = result.run_requests
     assert span(request) == (key(1), key(5)) and request.run_key == f"offload-{key(1)}-{key(5)}-attempt-1"
     assert list(result.dynamic_partitions_requests[0].partition_keys) == wanted
@@ -162,9 +162,9 @@ def test_sensor_backfill_checks_and_savings(warehouse, dagster_resources, tmp_pa
     assert {metadata(run, OFFLOAD_MANIFEST, k)["dagster/partition_row_count"] for k in own} == {1}
 
     # With a manifest and recorded OFFLOADED states, a fresh process's sensor (as in the code server)
-    # decides as `offload_candidates` does, and starts no JVM.
+    # decides as `eligible_not_offloaded` does here, and starts no JVM.
     fresh = sensor_in_fresh_process(warehouse.settings.warehouse)
-    assert offload_candidates(warehouse) == [("u", 5)]
+    assert eligible_not_offloaded(warehouse) == [("u", 5)]
     assert fresh == {"spans": [[key(5), key(5)]], "jvm": False}
 
     # A run whose every partition is offloaded: the outputs, and the checks after them.

@@ -27,7 +27,8 @@ from txn_engine.producers.engine import Engine
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.log.ingest import ingest_files
 from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
-from txn_engine.tier.offload import TierUncommitted, eligible_not_offloaded, offload_candidates, offload_ledgers, tier_uncommitted
+from txn_engine.tier.offload import (TierUncommitted, eligibility, eligible_not_offloaded, offload_ledgers, offloaded_ledgers,
+                                     tier_uncommitted)
 from txn_engine.tier.reader import TopicReader
 from pipelines.cli import main
 from txn_engine.core.log_types import LogEntry
@@ -47,13 +48,14 @@ from txn_engine.core.schema import (
     BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
     DELETED_LEDGERS,
+    LEDGERS,
+    LEDGERS_SCHEMA,
     LEDGER_ENTRIES,
     LEDGER_ENTRIES_SCHEMA,
     LEDGER_ENTRY_COLUMNS,
-    LEDGERS,
-    LEDGERS_SCHEMA,
     QUARANTINE_ENTRIES,
     RECOVERED_BUFFER_STATE,
+    STABLE_POSITIONS,
     TXN_MARKERS,
 )
 from txn_engine.snapshots.jobs import full_replay_states, recovery_mismatches, write_snapshots
@@ -137,8 +139,11 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert (catalog[("t", 1)].state, catalog[("t", 1)].first_entry_id, catalog[("t", 1)].last_entry_id,
             catalog[("t", 1)].entry_count) == ("DELETED", 0, 4, 5)
     assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
-    # The offload sensor's decision (delta-rs, Python) still equals the Spark one with deleted ledgers.
-    assert eligible_not_offloaded(wh) == offload_candidates(wh)
+    # The offload sensor's decision (the ledgers' ranges by delta-rs) with deleted ledgers equals the
+    # one from the whole catalog as Spark derives it.
+    whole = eligibility(current_ledger_catalog(wh).toArrow(), wh.read(STABLE_POSITIONS).toArrow())
+    assert eligible_not_offloaded(wh) == sorted(
+        set(zip(*(whole.filter(whole["eligible"])[c].to_pylist() for c in ("topic", "ledger_id")))) - offloaded_ledgers(wh))
     # The tier check's kernel decides the tier's transactions with the deleted ledgers' facts from the state.
     assert tier_uncommitted(wh) == TierUncommitted(markers=0, entries_of_aborted_txns=0, entries_of_ongoing_txns=0)
     # deleted_ledgers keeps each one's last catalog row as it was, timestamps included (they go

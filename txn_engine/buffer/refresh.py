@@ -155,10 +155,10 @@ def ledger_inventory(wh: Warehouse) -> pa.Table:
     ledger, read by delta-rs (no Spark job). Without one it is derived here, on Spark. DELETED
     ledgers are gone: retention deletes their rows.
     """
-    if wh.exists(LEDGERS):
-        catalog = read_catalog(wh, ["topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes"])
-        return listed_ledgers(catalog).drop_columns(["state"])
-    return inventory_of(derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_states_table(wh))).toArrow()
+    columns = ["topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes"]
+    catalog = read_catalog(wh, columns) if wh.exists(LEDGERS) else \
+        derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_states_table(wh)).select(*columns).toArrow()
+    return listed_ledgers(catalog).drop_columns(["state"])
 
 
 def read_catalog(wh: Warehouse, columns: list[str]) -> pa.Table:
@@ -179,7 +179,7 @@ def read_catalog(wh: Warehouse, columns: list[str]) -> pa.Table:
 
 def listed_ledgers(catalog: pa.Table) -> pa.Table:
     """The rows of a `ledgers` catalog (as Arrow) of the ledgers `ledger_entries` holds: not
-    DELETED, with entries (`inventory_of` is the same rule on Spark)."""
+    DELETED, with entries."""
     return catalog.filter(pc.and_(pc.not_equal(catalog["state"], "DELETED"), pc.greater(catalog["entry_count"], 0)))
 
 
@@ -190,21 +190,10 @@ def ledgers_behind(now: LedgerCounts, known: LedgerCounts) -> LedgerCounts:
 
 
 def inventory_rows(inventory: DataFrame | pa.Table) -> list[Row]:
-    """The rows of an inventory, from Arrow (`ledger_inventory`) or a DataFrame (`inventory_of`)."""
+    """The rows of an inventory, from Arrow (`ledger_inventory`) or a DataFrame."""
     if isinstance(inventory, pa.Table):
         return [Row(**r) for r in inventory.to_pylist()]
     return inventory.collect()
-
-
-def inventory_of(catalog: DataFrame) -> DataFrame:
-    """The ledgers a catalog says `ledger_entries` holds: (topic, ledger_id, entry_count, last_entry_id, size_bytes). Pure.
-
-    `size_bytes` only when the catalog has it (the offloader's narrow catalog does not).
-    """
-    sized = ["size_bytes"] if "size_bytes" in catalog.columns else []
-    return catalog.filter((F.col("state") != "DELETED") & (F.col("entry_count") > 0)).select(
-        "topic", "ledger_id", "entry_count", "last_entry_id", *sized
-    )
 
 
 def _has_state(wh: Warehouse) -> bool:

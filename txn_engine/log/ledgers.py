@@ -248,12 +248,11 @@ def single_ledger_files(log: DeltaTable) -> tuple[pa.Table, ds.Dataset]:
     return stated, rest
 
 
-def ledger_ranges_catalog(warehouse: Warehouse, version: int | None = None) -> DataFrame:
-    """The catalog's (topic, ledger_id, first_entry_id, last_entry_id, entry_count, state) as of
-    `ledger_entries` at `version`, from `ledger_ranges`: for callers that need no bytes or times
-    (offload eligibility), at a fraction of `current_ledger_catalog`'s cost."""
-    return catalog_frame(warehouse.spark, catalog_table(ledger_ranges(warehouse, version), recorded_states_table(warehouse),
-                                                        deleted_ledgers_table(warehouse)))
+def ledger_ranges_catalog(warehouse: Warehouse, version: int | None = None) -> pa.Table:
+    """The catalog's (topic, ledger_id, first_entry_id, last_entry_id, entry_count, state, updated_at)
+    as of `ledger_entries` at `version`, from `ledger_ranges`, as Arrow: for callers that need no
+    bytes or times (offload eligibility), at a fraction of `current_ledger_catalog`'s cost, no Spark job."""
+    return catalog_table(ledger_ranges(warehouse, version), recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
 def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None) -> DataFrame:

@@ -25,7 +25,7 @@ from pyspark.sql import functions as F
 
 from txn_engine.buffer.refresh import (
     RECORDED_TABLES,
-    inventory_of,
+    listed_ledgers,
     plan_scope,
     recorded_version_key,
     state_is_current,
@@ -38,14 +38,11 @@ from txn_engine.buffer.spark_runner import SparkDecisions, committed_rows, decid
 from txn_engine.storage.arrow_frames import local_frame
 from txn_engine.storage.delta_io import DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.core.errors import TxnlakeError
-from txn_engine.log.ledgers import (catalog_states, entry_size_bytes, ledger_ranges, ledger_ranges_catalog, record_ledger_states,
-                                    recorded_states_table)
+from txn_engine.log.ledgers import entry_size_bytes, ledger_ranges_catalog, record_ledger_states
 from txn_engine.core.log_types import EntryType
 from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     BUFFER_DUPLICATES,
-    DELETED_LEDGERS,
-    DELETED_LEDGERS_SCHEMA,
     BUFFER_LEDGER_TXNS,
     BUFFER_LEDGER_TXNS_SCHEMA,
     COMMITTED_ENTRIES,
@@ -258,15 +255,10 @@ def offload_ledgers(
     # ledgers' ranges (`ledger_ranges`: delta-rs and Arrow, no Spark scan) and their states.
     # Collected once (a row per ledger): as Arrow for eligibility, a small local frame for the state check.
     catalog_table = ledger_ranges_catalog(wh, log_version).select(
-        "topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"
-    ).toArrow()
+        ["topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"])
     catalog_rows = catalog_table.to_pylist()
-    catalog_now = local_frame(
-        wh.spark, catalog_rows,
-        "topic string, ledger_id long, state string, entry_count long, first_entry_id long, last_entry_id long",
-    )
     lap("catalog")
-    state_version = _state_version(wh, catalog_now)
+    state_version = _state_version(wh, catalog_table)
     recorded = None if state_version is None else _recorded_tables(wh, state_version)
     # Without the recorded tables of a state that describes this log, the kernel decides the log.
     decided = LogDecisions(entries, decide_full(entries, topics={r["topic"] for r in catalog_rows}), broadcast_max_bytes) \
@@ -325,7 +317,7 @@ def offload_ledgers(
             decided.decided.unpersist()
 
 
-def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
+def _state_version(wh: Warehouse, catalog: pa.Table) -> int | None:
     """The version of the buffer's state (`buffer_ledger_txns`) when it describes exactly the
     pinned log (`catalog` is its ledger catalog): every ledger's entry count and last entry agree,
     the test the buffer's own planner applies. None otherwise (no state, a state written by an
@@ -337,7 +329,7 @@ def _state_version(wh: Warehouse, catalog: DataFrame) -> int | None:
     # The check folds four narrow columns read by delta-rs batch by batch (no Spark job, which costs
     # most in a fresh JVM: docs/benchmarks.md, "Driver reads"; a row per ledger held, not per transaction).
     counts = state_ledger_counts(DeltaTables(wh).dataset(BUFFER_LEDGER_TXNS, state_version))
-    plan = plan_scope(inventory_of(catalog), counts, ())
+    plan = plan_scope(listed_ledgers(catalog), counts, ())
     return None if plan.ledgers else state_version
 
 
@@ -613,29 +605,15 @@ def offloaded_ledgers(warehouse: Warehouse, topic: str | None = None, version: i
     return {(r["topic"], r["ledger_id"]) for r in manifest if topic is None or r["topic"] == topic}
 
 
-def offload_candidates(warehouse: Warehouse) -> list[LedgerKey]:
+def eligible_not_offloaded(wh: Warehouse) -> list[LedgerKey]:
     """Ledgers to offload next, cheaply: eligible by the stored `stable_positions`, not yet in the manifest.
 
     The stored stable positions may be older than `ledger_entries`; a stable position only moves
     forward, so they only make this list shorter, never wrong. `offload_ledgers` decides again
-    from `ledger_entries`.
-    """
-    catalog = eligibility(ledger_ranges_catalog(warehouse).toArrow(), warehouse.read(STABLE_POSITIONS).toArrow())
-    eligible = {(r["topic"], r["ledger_id"]) for r in catalog.filter(catalog["eligible"]).select(["topic", "ledger_id"]).to_pylist()}
-    return sorted(eligible - offloaded_ledgers(warehouse))
-
-
-def eligible_not_offloaded(wh: Warehouse) -> list[tuple[str, int]]:
-    """`offload_candidates` decided without Spark, for the sensor: the same reads (the ranges of
-    `ledger_entries`, the recorded states, the deleted ledgers, `stable_positions`, the manifest),
-    by delta-rs, and the same rules (`catalog_states`, `eligibility`): a row per ledger. A tick then
-    starts no JVM in the code server, which would take much of the sensor's timeout and stay
-    resident (docs/benchmarks.md, "Driver reads"). Equal to `offload_candidates` (tested)."""
-    tables = DeltaTables(wh)
-    ledgers = catalog_states(ledger_ranges(wh).select(["topic", "ledger_id", "last_entry_id"]), recorded_states_table(wh),
-                             tables.read(DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, ["topic", "ledger_id", "last_entry_id"]))
-    stable = tables.read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic", "max_read_ledger_id", "max_read_entry_id"])
-    decided = eligibility(ledgers, stable)
+    from `ledger_entries`. Read by delta-rs and decided in Arrow (`ledger_ranges_catalog`,
+    `eligibility`), a row per ledger: a sensor tick then starts no JVM in the code server, which
+    would take much of the sensor's timeout and stay resident (docs/benchmarks.md, "Driver reads")."""
+    stable = DeltaTables(wh).read(STABLE_POSITIONS, STABLE_POSITIONS_SCHEMA, ["topic", "max_read_ledger_id", "max_read_entry_id"])
+    decided = eligibility(ledger_ranges_catalog(wh), stable)
     eligible = set(zip(*(decided.filter(decided["eligible"])[c].to_pylist() for c in ("topic", "ledger_id"))))
-    manifest = tables.read(OFFLOAD_MANIFEST, OFFLOAD_MANIFEST_SCHEMA, ["topic", "ledger_id"]).to_pylist()
-    return sorted(eligible - {(r["topic"], r["ledger_id"]) for r in manifest})
+    return sorted(eligible - offloaded_ledgers(wh))
