@@ -43,7 +43,7 @@ from txn_engine.storage.delta_io import (
     overwrite_small,
     sql_string,
 )
-from txn_engine.log.ledgers import derive_ledger_catalog, recorded_states_table
+from txn_engine.log.ledgers import derived_catalog_table, recorded_states_table
 from txn_engine.storage.locks import writer_lock
 from txn_engine.core.schema import (
     ABORTED_TXNS,
@@ -157,7 +157,7 @@ def ledger_inventory(wh: Warehouse) -> pa.Table:
     """
     columns = ["topic", "ledger_id", "state", "entry_count", "last_entry_id", "size_bytes"]
     catalog = read_catalog(wh, columns) if wh.exists(LEDGERS) else \
-        derive_ledger_catalog(wh.read(LEDGER_ENTRIES), recorded_states_table(wh)).select(*columns).toArrow()
+        derived_catalog_table(wh.read(LEDGER_ENTRIES), recorded_states_table(wh)).select(columns)
     return listed_ledgers(catalog).drop_columns(["state"])
 
 

@@ -41,36 +41,29 @@ def entry_size_bytes() -> F.Column:
 def derive_ledger_catalog(
     entries: DataFrame, known_states: pa.Table | None = None, deleted: pa.Table | None = None
 ) -> DataFrame:
-    """One row per (topic, ledger_id) with entry range, count, bytes and state. Pure.
+    """`derived_catalog_table` as a Spark frame of the catalog's types. Pure."""
+    catalog = derived_catalog_table(entries, known_states, deleted)
+    return local_frame(entries.sparkSession, catalog, StructType([f for f in LEDGERS_SCHEMA.fields if f.name in catalog.column_names]))
+
+
+def derived_catalog_table(
+    entries: DataFrame, known_states: pa.Table | None = None, deleted: pa.Table | None = None
+) -> pa.Table:
+    """One row per (topic, ledger_id) with entry range, count, bytes and state, as Arrow. Pure.
 
     Without other information the last ledger of a topic is OPEN (still being written) and the
     others CLOSED. `known_states` (topic, ledger_id, state), when given, overrides that: later
     stages record OFFLOADED and DELETED there. `deleted` (`deleted_ledgers` rows) keeps listing
     ledgers whose entries retention removed, with their last known range and counts. Both are
-    Arrow, as the driver reads them: a Spark frame of them would be collected back by a job.
+    Arrow, as the driver reads them. Spark aggregates the entries per ledger in one job; the rows
+    (a row per ledger) are collected and decided in the driver (`catalog_table`).
     """
-    return catalog_of_ledgers(_per_ledger(entries), known_states, deleted)
-
-
-def catalog_of_ledgers(
-    per_ledger: DataFrame, known_states: pa.Table | None = None, deleted: pa.Table | None = None
-) -> DataFrame:
-    """`derive_ledger_catalog` from the per-ledger rows already aggregated: (topic, ledger_id) and
-    any of the catalog's columns (the others are left out of the result). Pure.
-
-    The rows are collected (a row per ledger, one job over the log) and decided in the driver
-    (`catalog_table`); Spark gets them back as a local frame."""
-    return catalog_frame(per_ledger.sparkSession, catalog_table(per_ledger.toArrow(), known_states, deleted))
-
-
-def catalog_frame(spark, catalog: pa.Table) -> DataFrame:
-    """A `catalog_table` as a Spark frame of the catalog's types."""
-    return local_frame(spark, catalog, StructType([f for f in LEDGERS_SCHEMA.fields if f.name in catalog.column_names]))
+    return catalog_table(_per_ledger(entries).toArrow(), known_states, deleted)
 
 
 def catalog_table(per_ledger: pa.Table, known_states: pa.Table | None = None, deleted: pa.Table | None = None) -> pa.Table:
-    """`catalog_of_ledgers` in Arrow: each ledger's row with its state (`catalog_states`) and the
-    time it was derived, in the catalog's column order. Pure."""
+    """The catalog's rows of per-ledger rows (topic, ledger_id and any of the catalog's columns): each
+    with its state (`catalog_states`) and the time it was derived, in the catalog's column order. Pure."""
     gone = None if deleted is None else deleted.select(per_ledger.column_names)
     rows = catalog_states(per_ledger, known_states, gone).drop_columns([FROM_DELETED])
     now = pa.array([datetime.now(timezone.utc)] * rows.num_rows, pa.timestamp("us", tz="UTC"))
@@ -260,6 +253,11 @@ def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = Non
     recorded states and the deleted ledgers."""
     log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
     return derive_ledger_catalog(log, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
+
+
+def current_catalog_table(warehouse: Warehouse) -> pa.Table:
+    """`current_ledger_catalog` as Arrow, for the driver that writes or reads it."""
+    return derived_catalog_table(warehouse.read(LEDGER_ENTRIES), recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
 def immutable_ledgers(warehouse: Warehouse) -> DataFrame:

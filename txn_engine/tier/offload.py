@@ -253,7 +253,7 @@ def offload_ledgers(
     entries = _pinned(wh, LEDGER_ENTRIES, log_version)
     # The catalog of the same version, with only what eligibility and the state check need: the
     # ledgers' ranges (`ledger_ranges`: delta-rs and Arrow, no Spark scan) and their states.
-    # Collected once (a row per ledger): as Arrow for eligibility, a small local frame for the state check.
+    # As Arrow (a row per ledger), for eligibility and the state check.
     catalog_table = ledger_ranges_catalog(wh, log_version).select(
         ["topic", "ledger_id", "state", "entry_count", "first_entry_id", "last_entry_id"])
     catalog_rows = catalog_table.to_pylist()
