@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from resources.jvm_archive import BUILD_ENV, archive_dir, archive_path, conf_dir
+from resources.spark import local_driver_class_path
 
 QUICKSTART_ENTRIES = 2000
 BUILD_TIMEOUT_S = 900
@@ -45,7 +46,7 @@ def _dumping(dump: Path) -> bool:
 
 def build() -> Path | None:
     """The archive for the default local session: its path, built when missing; None when it cannot be."""
-    target = archive_path({}, str(conf_dir()))  # the default session: no extra class path
+    target = archive_path({"spark.driver.extraClassPath": local_driver_class_path()}, str(conf_dir()))  # the default session
     if target is None:
         print("warning: no java found: Spark sessions start without a class archive", file=sys.stderr)
         return None

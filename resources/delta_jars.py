@@ -42,6 +42,8 @@ S3_ARTIFACTS = (
 )
 LOG_STORE_SOURCE = Path(__file__).parent / "java" / "io" / "txnlake" / "storage" / "S3ConditionalLogStore.java"
 LOG_STORE_CLASS = "io.txnlake.storage.S3ConditionalLogStore"
+LOCAL_FS_SOURCE = Path(__file__).parent / "java" / "io" / "txnlake" / "storage" / "ForklessLocalFileSystem.java"
+LOCAL_FS_CLASS = "io.txnlake.storage.ForklessLocalFileSystem"
 
 
 def jar_cache_dir() -> Path:
@@ -60,6 +62,16 @@ def delta_jar_paths() -> list[Path]:
 
 def log_store_jar_path() -> Path:
     return source_jar_path("txnlake-s3-logstore", [LOG_STORE_SOURCE])
+
+
+def local_fs_jar_path() -> Path:
+    return source_jar_path("txnlake-local-fs", [LOCAL_FS_SOURCE])
+
+
+def cached_local_fs_jar() -> Path | None:
+    """The local file system's jar (`ForklessLocalFileSystem`) when built, else None (Hadoop's own then)."""
+    path = local_fs_jar_path()
+    return path if path.is_file() and path.stat().st_size > 0 else None
 
 
 def s3_jar_paths() -> list[Path]:
@@ -174,16 +186,29 @@ def compile_jar(sources: list[Path], classpath: list[Path], target: Path,
 def build_log_store() -> Path:
     """Compile the log store (`resources/java`) against the cached Delta and S3A jars and pyspark's
     Hadoop client, into a jar in the cache; idempotent."""
-    hadoop_client = sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
-    classpath = [*hadoop_client, *require_delta_jars(), jar_cache_dir() / jar_name("hadoop-aws", HADOOP_VERSION)]
+    classpath = [*_hadoop_client(), *require_delta_jars(), jar_cache_dir() / jar_name("hadoop-aws", HADOOP_VERSION)]
     return compile_jar([LOG_STORE_SOURCE], classpath, log_store_jar_path())
+
+
+def build_local_fs() -> Path:
+    """Compile the local file system (`resources/java`) against pyspark's Hadoop client; idempotent."""
+    return compile_jar([LOCAL_FS_SOURCE], _hadoop_client(), local_fs_jar_path())
+
+
+def _hadoop_client() -> list[Path]:
+    return sorted((Path(pyspark.__file__).parent / "jars").glob("hadoop-client-api-*.jar"))
+
+
+def require_local_fs_jar() -> list[Path]:
+    return require_jars([local_fs_jar_path()], "txnlake's local file system jar")
 
 
 def fetch_delta_jars() -> list[Path]:
     """Download the missing jars, verified by SHA-1, and build the log store; idempotent."""
     fetch_jars(DELTA_ARTIFACTS + S3_ARTIFACTS)
     build_log_store()
-    return require_delta_jars() + require_s3_jars()
+    build_local_fs()
+    return require_delta_jars() + require_s3_jars() + require_local_fs_jar()
 
 
 def jar_cli(argv: list[str] | None, fetch, require, error: type[ConfigurationError]) -> int:
@@ -201,7 +226,8 @@ def jar_cli(argv: list[str] | None, fetch, require, error: type[ConfigurationErr
 
 
 def main(argv: list[str] | None = None) -> int:
-    return jar_cli(argv, fetch_delta_jars, lambda: require_delta_jars() + require_s3_jars(), DeltaJarsMissingError)
+    return jar_cli(argv, fetch_delta_jars, lambda: require_delta_jars() + require_s3_jars() + require_local_fs_jar(),
+                   DeltaJarsMissingError)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pydantic import Field
 from pyspark.logger import PySparkLogger
 from pyspark.sql import SparkSession
 
-from resources.delta_jars import LOG_STORE_CLASS, require_delta_jars, require_s3_jars
+from resources.delta_jars import LOCAL_FS_CLASS, LOG_STORE_CLASS, cached_local_fs_jar, require_delta_jars, require_s3_jars
 from resources.jvm_archive import conf_dir, driver_java_options, empty_conf_dir
 from resources.kafka_jars import cached_segment_reader_jars
 from txn_engine.core.errors import ConfigurationError
@@ -107,10 +107,32 @@ def effective_conf(master: str | None = None, conf: Mapping[str, str] | None = N
             _add_s3_jars(merged)
     if not is_local_master(merged["spark.master"]):
         _add_cluster_conf(merged)
+    else:
+        _use_forkless_local_fs(merged)
     options = driver_java_options(merged, _conf_dir())
     if options:
         merged["spark.driver.extraJavaOptions"] = " ".join(filter(None, [merged.get("spark.driver.extraJavaOptions", ""), *options]))
     return merged
+
+
+def _use_forkless_local_fs(merged: dict[str, str]) -> None:
+    """Local paths through `ForklessLocalFileSystem` (`resources/java`) once `make setup` built it:
+    Hadoop without its native library starts a `chmod` for every file it creates and a `readlink`
+    for every rename, each Delta commit included. On the driver's class path (spark-submit reads
+    local files before it loads `spark.jars`), so in local mode only. A user's setting wins."""
+    class_path = local_driver_class_path()
+    if not class_path or "spark.hadoop.fs.file.impl" in merged:
+        return
+    merged["spark.hadoop.fs.file.impl"] = LOCAL_FS_CLASS
+    merged.setdefault("spark.hadoop.fs.AbstractFileSystem.file.impl", f"{LOCAL_FS_CLASS}$Fs")
+    merged["spark.driver.extraClassPath"] = os.pathsep.join(filter(None, [merged.get("spark.driver.extraClassPath", ""), class_path]))
+
+
+def local_driver_class_path() -> str:
+    """What a local session adds to the driver's class path (the local file system's jar once
+    built), as the class archive is keyed (`pipelines.jvm_archive`)."""
+    jar = cached_local_fs_jar()
+    return str(jar) if jar else ""
 
 
 def _conf_dir() -> str:

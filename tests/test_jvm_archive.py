@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from resources.jvm_archive import ARCHIVE_ENV, archive_key, archive_path, conf_dir, driver_java_options
-from resources.spark import effective_conf
+from resources.spark import effective_conf, local_driver_class_path
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -42,7 +42,7 @@ def test_a_session_gets_our_log4j_and_the_archive_of_its_class_path(monkeypatch,
 
 def test_the_archive_built_by_make_setup_maps_into_a_driver(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("SPARK_CONF_DIR", "TXNLAKE_SPARK_CONF", ARCHIVE_ENV)}
-    archive = archive_path({}, str(conf_dir()))
+    archive = archive_path({"spark.driver.extraClassPath": local_driver_class_path()}, str(conf_dir()))
     assert archive is not None and archive.is_file(), f"no class archive for this machine at {archive}: run `make setup`"
     log = tmp_path / "cds.log"
     # -Xshare:on makes an archive the JVM cannot map a failure to start, not a silent fallback.
