@@ -70,8 +70,10 @@ def local_fs_jar_path() -> Path:
 
 def cached_local_fs_jar() -> Path | None:
     """The local file system's jar (`ForklessLocalFileSystem`) when built, else None (Hadoop's own then)."""
-    path = local_fs_jar_path()
-    return path if path.is_file() and path.stat().st_size > 0 else None
+    try:
+        return require_local_fs_jar()[0]
+    except DeltaJarsMissingError:
+        return None
 
 
 def s3_jar_paths() -> list[Path]:
