@@ -13,7 +13,7 @@ from deltalake import DeltaTable
 from pyspark.sql import functions as F
 
 from txn_engine.log.ingest import ingest_files
-from txn_engine.log.ledgers import current_ledger_catalog, entry_size_bytes
+from txn_engine.log.ledgers import current_catalog_table, current_ledger_catalog, entry_size_bytes
 from txn_engine.buffer.kernel import TXN_KEY
 from txn_engine.buffer.refresh import ledger_inventory, recorded_version_key, refresh_buffer
 from txn_engine.buffer.spark_runner import committed_rows, compute_buffer_tables, decide_full
@@ -212,7 +212,7 @@ def test_facts_come_from_the_buffer_state_when_it_matches_the_log(warehouse, tmp
     ingest(warehouse, tmp_path, HISTORY + COMMIT_D + VIOLATIONS)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     entries = warehouse.read(LEDGER_ENTRIES)
-    catalog = current_ledger_catalog(warehouse, entries).toArrow()
+    catalog = current_catalog_table(warehouse, entries)
     state_version = _state_version(warehouse, catalog)
     assert state_version == warehouse.version(BUFFER_LEDGER_TXNS)  # the state describes this log
     # The buffer recorded the versions its run left of the tables the offload reads: they are the

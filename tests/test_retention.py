@@ -26,7 +26,7 @@ from txn_engine.storage.delta_io import DeltaTables, overwrite_small
 from txn_engine.producers.engine import Engine
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.log.ingest import ingest_files
-from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
+from txn_engine.log.ledgers import current_catalog_table, current_ledger_catalog, record_ledger_states
 from txn_engine.tier.offload import (TierUncommitted, eligibility, eligible_not_offloaded, offload_ledgers, offloaded_ledgers,
                                      tier_uncommitted)
 from txn_engine.tier.reader import TopicReader
@@ -141,7 +141,7 @@ def test_keep_n_ledgers_deletes_offloaded_ledgers_and_trims_the_abort_set(offloa
     assert catalog[("u", 6)].state == "CLOSED" and catalog[("t", 4)].state == "OPEN"
     # The offload sensor's decision (the ledgers' ranges by delta-rs) with deleted ledgers equals the
     # one from the whole catalog as Spark derives it.
-    whole = eligibility(current_ledger_catalog(wh).toArrow(), wh.read(STABLE_POSITIONS).toArrow())
+    whole = eligibility(current_catalog_table(wh), wh.read(STABLE_POSITIONS).toArrow())
     assert eligible_not_offloaded(wh) == sorted(
         set(zip(*(whole.filter(whole["eligible"])[c].to_pylist() for c in ("topic", "ledger_id")))) - offloaded_ledgers(wh))
     # The tier check's kernel decides the tier's transactions with the deleted ledgers' facts from the state.

@@ -249,15 +249,16 @@ def ledger_ranges_catalog(warehouse: Warehouse, version: int | None = None) -> p
 
 
 def current_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None) -> DataFrame:
-    """The catalog as of now: ledger_entries (or `entries`, e.g. one pinned version of it), the
-    recorded states and the deleted ledgers."""
+    """`current_catalog_table` as a Spark frame of the catalog's types."""
     log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
     return derive_ledger_catalog(log, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
-def current_catalog_table(warehouse: Warehouse) -> pa.Table:
-    """`current_ledger_catalog` as Arrow, for the driver that writes or reads it."""
-    return derived_catalog_table(warehouse.read(LEDGER_ENTRIES), recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
+def current_catalog_table(warehouse: Warehouse, entries: DataFrame | None = None) -> pa.Table:
+    """The catalog as of now, as Arrow: ledger_entries (or `entries`, e.g. one pinned version of
+    it), the recorded states and the deleted ledgers."""
+    log = warehouse.read(LEDGER_ENTRIES) if entries is None else entries
+    return derived_catalog_table(log, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
 def immutable_ledgers(warehouse: Warehouse) -> DataFrame:

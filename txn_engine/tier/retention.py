@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 from txn_engine.buffer.refresh import buffer_lock, ledgers_behind, stored_ledger_counts
 from txn_engine.core.errors import TxnlakeError
-from txn_engine.log.ledgers import current_ledger_catalog, record_ledger_states
+from txn_engine.log.ledgers import current_catalog_table, record_ledger_states
 from txn_engine.storage.delta_io import DRIVER_WRITE_MAX_BYTES, DeltaTables, delete_ledgers, ledger_predicate
 from txn_engine.tier.offload import LedgerKey, offloaded_ledgers
 from txn_engine.storage.upkeep import vacuum_table
@@ -94,7 +94,7 @@ def ledgers_to_delete(catalog: Iterable[dict], policy: RetentionPolicy, now: dat
 
 
 def _utc(moment: datetime) -> datetime:
-    # PySpark hands timestamps back as naive local times; astimezone reads a naive one as local.
+    # Catalog rows from Arrow are UTC; a naive time (as PySpark collects them) is read as local.
     return moment.astimezone(timezone.utc)
 
 
@@ -142,7 +142,7 @@ def apply_retention(
     wh = warehouse
     now = now or datetime.now(timezone.utc)
     log = wh.read(LEDGER_ENTRIES)  # a clear error when there is no log yet
-    catalog = [r.asDict() for r in current_ledger_catalog(wh, log).collect()]
+    catalog = current_catalog_table(wh, log).to_pylist()
     present = {(r.topic, r.ledger_id) for r in log.select("topic", "ledger_id").distinct().collect()}
     unfinished = sorted((r["topic"], r["ledger_id"]) for r in catalog if r["state"] == "DELETED" and (r["topic"], r["ledger_id"]) in present)
     offloaded = offloaded_ledgers(wh)
@@ -158,7 +158,7 @@ def apply_retention(
     if chosen or unfinished:
         hook = crash_hook or (lambda step: None)
         if chosen:
-            # A row per deleted ledger, committed by delta-rs; Spark collected the timestamps as naive local times.
+            # A row per deleted ledger, committed by delta-rs, its timestamps in UTC.
             last_known = [
                 {**{f.name: _utc(r[f.name]) if isinstance(r[f.name], datetime) else r[f.name] for f in DELETED_LEDGERS_SCHEMA.fields
                     if f.name != "deleted_at"}, "deleted_at": _utc(now)}
