@@ -288,7 +288,7 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     # Either way every table keeps its schema's NOT NULL columns (Spark computes its frames' as nullable).
     for table in (*TABLES, *STATE_TABLES):
         columns = lambda schema: [(f.name, f.dataType, f.nullable) for f in schema.fields]  # noqa: E731
-        assert columns(warehouse.read(table).schema) == columns(stored_schema(table)), table
+        assert columns(DeltaTables(warehouse).schema(table)) == columns(stored_schema(table)), table
 
 
 def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark, warehouse):

@@ -165,7 +165,7 @@ def register_reads(warehouse: Warehouse, model: SqlModel, named_views: dict[str,
         elif isinstance(source, StructType):
             warehouse.read_or_empty(table, source).createOrReplaceTempView(table)
         else:
-            warehouse.spark.read.format("delta").load(source).createOrReplaceTempView(table)
+            warehouse.read(table, source).createOrReplaceTempView(table)
 
 
 def run_model(warehouse: Warehouse, model: SqlModel) -> DataFrame:

@@ -19,7 +19,7 @@ from delta.exceptions import (
 )
 import deltalake
 from delta.tables import DeltaTable
-from deltalake.exceptions import CommitFailedError
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
@@ -98,18 +98,36 @@ class Warehouse:
             f"(`txnlake ingest FILE`) or materialize the asset {table}."
         )
 
-    def read(self, table: str, path: str | None = None) -> DataFrame:
+    def read(self, table: str, path: str | None = None, version: int | None = None) -> DataFrame:
+        """The table (at `version`, else the latest) as a DataFrame; `missing`'s error when it does not exist.
+
+        A table of at most `PARQUET_READ_MAX_FILES` files that needs no reader feature of Delta
+        (`parquet_files`) is read as those Parquet files, found by delta-rs in the table's log:
+        Delta's own read of a table that changed since the session last saw it costs Spark jobs
+        to rebuild its snapshot, several times the scan of a small table (docs/benchmarks.md,
+        "Driver reads"). A larger table is read by Delta, which skips files by their statistics.
+        """
         location = path or self.path(table)
-        if not self.exists(table, location):
-            raise self.missing(table, location)
-        frame = self.spark.read.format("delta").load(location)
-        require_current_columns(table, frame.schema, location)
-        return frame
+        try:
+            handle = self.delta_rs_table(location, version)
+        except TableNotFoundError:
+            raise self.missing(table, location) from None
+        schema = delta_rs_schema(handle)
+        require_current_columns(table, schema, location)
+        files = parquet_files(handle)
+        if files is None:
+            reader = self.spark.read.format("delta")
+            if version is not None:
+                reader = reader.option("versionAsOf", version)
+            return reader.load(location)
+        if not files:
+            return local_frame(self.spark, [], schema)
+        return self.spark.read.schema(schema).parquet(*files)
 
     def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
         location = path or self.path(table)
         if self.exists(table, location):
-            return self.spark.read.format("delta").load(location)
+            return self.read(table, location)
         return local_frame(self.spark, [], schema)
 
     def version(self, table: str, path: str | None = None) -> int | None:
@@ -160,7 +178,7 @@ class Warehouse:
                 exists = True
             if replace_where is not None and exists:
                 writer = writer.option("replaceWhere", replace_where)
-            elif schema is None or not _same_columns(self.spark.read.format("delta").load(location).schema, schema):
+            elif schema is None or not _same_columns(delta_rs_schema(self.delta_rs_table(location)), schema):
                 writer = writer.option("overwriteSchema", "true")
             retry_delta_conflicts(lambda: writer.save(location))
 
@@ -177,6 +195,25 @@ class Warehouse:
         with self.writer(table):
             if self.exists(table, location):
                 retry_delta_conflicts(lambda: DeltaTable.forPath(self.spark, location).delete(predicate))
+
+
+# Spark lists more paths than `spark.sql.sources.parallelPartitionDiscovery.threshold` (32) with a
+# Spark job of its own: past it, Delta's read (which takes the files' sizes from its log) is cheaper.
+PARQUET_READ_MAX_FILES = 32
+_GLOB_CHARACTERS = set("*?[]{}\\")
+
+
+def parquet_files(handle: deltalake.DeltaTable) -> list[str] | None:
+    """The Parquet files of a delta-rs snapshot when they alone hold its rows, or None: a table
+    whose protocol has reader features (deletion vectors, column mapping ...), that is partitioned
+    (its partition values live in the log, not in the files), of more than `PARQUET_READ_MAX_FILES`
+    files, or whose paths Spark would take for globs."""
+    if handle.protocol().min_reader_version > 1 or handle.metadata().partition_columns:
+        return None
+    files = handle.file_uris()
+    if len(files) > PARQUET_READ_MAX_FILES or any(_GLOB_CHARACTERS & set(f) for f in files):
+        return None
+    return files
 
 
 def _same_columns(a: StructType, b: StructType) -> bool:

@@ -395,7 +395,7 @@ def _ledgers_of(wh: Warehouse, table: str, version: int | None) -> set[LedgerKey
 
 def _pinned(wh: Warehouse, table: str, version: int) -> DataFrame:
     """`table` at `version` (a later commit does not change what this run reads)."""
-    return wh.spark.read.format("delta").option("versionAsOf", version).load(wh.path(table))
+    return wh.read(table, version=version)
 
 
 def _as_of_now(wh: Warehouse, table: str) -> DataFrame:
