@@ -23,7 +23,7 @@ from typing import Iterable, Iterator, Mapping
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import ArrayType, LongType, StringType, StructField, StructType
 
@@ -354,24 +354,37 @@ def decide_scope(entries: DataFrame, state: Mapping[str, DataFrame], topics: Ite
     return SparkDecisions(decided.persist(StorageLevel.MEMORY_AND_DISK))
 
 
-def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> DataFrame:
+def segment_bytes() -> Column:
+    """What a row of the VISIBLE segments costs in a broadcast: its codes, its targets, its ids."""
+    return F.size(f"{VISIBLE}.codes") * 8 + F.size(f"{VISIBLE}.targets") * 16 + NARROW_ROW_BYTES
+
+
+def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes: int = BROADCAST_MAX_BYTES,
+                   small: Mapping[str, pa.Table] | None = None) -> DataFrame:
     """`committed_entries`: the full `rows` the kernel decided visible, with its decisions, looked
     up in its segments (`kernel.visible_segments`) by (topic, ledger) and entry id; the segments
     broadcast while they fit `broadcast_max_bytes`, else joined by shuffle. `in_stable_prefix`
     against the run's final stable positions: a topic folded in chunks (`kernel.fold_scopes`)
     stamped its early rows against an earlier one, as `refresh._move_stable_prefix` restamps
-    the rows a run does not rewrite."""
-    segments = decided.table(VISIBLE)
-    # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
-    size = segments.agg(F.sum(F.size("codes") * 8 + F.size("targets") * 16 + NARROW_ROW_BYTES)).first()[0] or 0
-    if size <= broadcast_max_bytes:
-        segments = F.broadcast(segments)
+    the rows a run does not rewrite. `small`: the decisions the driver holds (`collect_narrow`),
+    from which the segments and stable positions are broadcast without a job over `decided`."""
+    spark = rows.sparkSession
+    if small is not None and VISIBLE in small:
+        segments = F.broadcast(local_frame(spark, small[VISIBLE], StructType(
+            [StructField("topic", StringType()), *DECISION_SCHEMAS[VISIBLE].fields])))
+    else:
+        segments = decided.table(VISIBLE)
+        # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
+        size = decided.frame.where(F.col("kind") == VISIBLE).agg(F.sum(segment_bytes())).first()[0] or 0
+        if size <= broadcast_max_bytes:
+            segments = F.broadcast(segments)
     joined = rows.join(segments, ["topic", "ledger_id"]).where(F.col("entry_id").between(F.col("first_entry_id"), F.col("last_entry_id")))
     code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
     joined = joined.withColumn("_code", code).where(F.col("_code") >= 0)
     code = F.col("_code")
-    stable = decided.table(STABLE_POSITIONS).select("topic", F.col("max_read_ledger_id").alias("_sl"),
-                                                    F.col("max_read_entry_id").alias("_se"))
+    stable = (local_frame(spark, small[STABLE_POSITIONS], DECISION_SCHEMAS[STABLE_POSITIONS]) if small is not None
+              else decided.table(STABLE_POSITIONS)).select(
+        "topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
     joined = joined.join(F.broadcast(stable), "topic")  # a row per topic
     own = code.bitwiseAND(1) == 1
     target = F.get(F.col("targets"), F.shiftright(code, kernel.CODE_TARGET_SHIFT).bitwiseAND(kernel.CODE_TARGET_MASK).cast("int"))
@@ -393,14 +406,21 @@ SMALL_KINDS = (*NARROW_TABLES, PENDING, "violations")
 def collect_narrow(decided: SparkDecisions, max_bytes: int) -> dict[str, pa.Table] | None:
     """`SMALL_KINDS` as Arrow tables (the narrow tables in their schemas), collected in one Spark
     job when together they fit `max_bytes` (`NARROW_ROW_BYTES` a row), else None: one count and one
-    collect instead of a count and a collect per table."""
+    collect instead of a count and a collect per table. The VISIBLE segments come too when they
+    fit as well (`segment_bytes`), for `committed_rows` to broadcast from the driver."""
     if max_bytes < NARROW_ROW_BYTES:
         return None
-    rows = decided.frame.where(F.col("kind").isin(list(SMALL_KINDS)))
-    if rows.count() * NARROW_ROW_BYTES > max_bytes:
+    is_small = F.col("kind").isin(list(SMALL_KINDS))
+    sizes = decided.frame.agg(F.count(F.when(is_small, 1)).alias("rows"),
+                              F.sum(F.when(F.col("kind") == VISIBLE, segment_bytes())).alias("segments")).first()
+    small_bytes = sizes["rows"] * NARROW_ROW_BYTES
+    if small_bytes > max_bytes:
         return None
-    union = rows.select("kind", *SMALL_KINDS).toArrow()
-    small = {name: _of_kind(union, name) for name in SMALL_KINDS}
+    kinds = [*SMALL_KINDS, *([VISIBLE] if small_bytes + (sizes["segments"] or 0) <= max_bytes else [])]
+    union = decided.frame.where(F.col("kind").isin(kinds)).select("topic", "kind", *kinds).toArrow()
+    small = {name: _of_kind(union, name) for name in kinds}
+    if VISIBLE in small:  # with the group's topic first, as `SparkDecisions.table` gives them
+        small[VISIBLE] = small[VISIBLE].add_column(0, "topic", union.filter(pc.equal(union["kind"], VISIBLE))["topic"])
     return {name: kernel.conform(table, TABLE_SCHEMAS[name]) if name in NARROW_TABLES else table
             for name, table in small.items()}
 
@@ -422,7 +442,7 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
-    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows)
+    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows, small=small)
     # Only the ledgers that hold pending rows are read again.
     if small:
         pending = local_frame(entries.sparkSession, small[PENDING], DECISION_SCHEMAS[PENDING])
