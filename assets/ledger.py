@@ -32,7 +32,7 @@ from resources.warehouse import WarehouseResource
 from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.log.ingest import IngestSummary, gap_warnings, ingest_files
 from txn_engine.log.kafka_import import import_kafka, partition_folders
-from txn_engine.log.ledgers import catalog_source_versions, current_catalog_table
+from txn_engine.log.ledgers import catalog_source_versions, write_ledger_catalog
 from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS, LEDGERS_SCHEMA, QUARANTINE_ENTRIES
 
 GROUP = "ledger"
@@ -161,7 +161,7 @@ def import_kafka_job():
 def ledgers(context: AssetExecutionContext, spark: SparkResource, warehouse: WarehouseResource) -> MaterializeResult:
     wh = warehouse.open(spark.session())
     sources = catalog_source_versions(wh)  # before reading them: what `stale_catalog` compares with
-    DeltaTables(wh).overwrite(LEDGERS, current_catalog_table(wh), LEDGERS_SCHEMA, commit_metadata=sources)  # a row per ledger
+    write_ledger_catalog(wh, commit_metadata=sources)  # a row per ledger
     # Counted from the table written, by delta-rs: no second Spark job.
     states = dict(Counter(DeltaTables(wh).read(LEDGERS, LEDGERS_SCHEMA, ["state"])["state"].to_pylist()))
     rows = sum(states.values())

@@ -70,10 +70,10 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
 
     from resources.spark import get_spark, spark_startup_seconds
     from txn_engine.buffer.refresh import STATE_TABLES, ledger_inventory, refresh_buffer
-    from txn_engine.log.ledgers import derive_ledger_catalog
+    from txn_engine.log.ledgers import write_ledger_catalog
     from txn_engine.log.generate import generate_ledger_file
     from txn_engine.log.ingest import ingest_files
-    from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
+    from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, STABLE_POSITIONS, TXN_MARKERS
     from txn_engine.core.settings import WarehouseSettings
     from txn_engine.storage.warehouse import Warehouse
 
@@ -93,7 +93,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         wh.overwrite("plain_copy", wh.read(LEDGER_ENTRIES))
 
     with timed("ledgers catalog (the `ledgers` asset, not timed below)"):
-        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+        write_ledger_catalog(wh)
     with timed("full: four buffer tables + state (as the product runs it: Arrow in the driver when the log fits)") as t_full:
         full_steps = WriteClock()
         full = refresh_buffer(wh, ledger_inventory(wh), full=True, after_write=full_steps)
@@ -158,7 +158,7 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     with timed(f"append one new ledger of {new_entries:,} entries"):
         wh.append(LEDGER_ENTRIES, new_ledger(spark, new_raw, new_entries, last[1], new_id))
     with timed("ledgers catalog again (not in the step)"):
-        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+        write_ledger_catalog(wh)
     with timed("incremental: the new ledger (Arrow in the driver, written by delta-rs)") as t_inc:
         inc_steps = WriteClock()
         step = refresh_buffer(wh, ledger_inventory(wh), ledgers=[new_id], after_write=inc_steps)
@@ -233,11 +233,10 @@ ONE_TOPIC_CONF = {"spark.driver.memory": "2g", "spark.executor.pyspark.memory": 
 def one_topic_prepare(entries: int, workdir: Path, seed: int = 11) -> None:
     """`ledger_entries` and `ledgers` of `entries` generated entries in one topic (default Spark settings)."""
     from resources.spark import get_spark
-    from txn_engine.core.schema import LEDGER_ENTRIES, LEDGERS
     from txn_engine.core.settings import WarehouseSettings
     from txn_engine.log.generate import generate_ledger_file
     from txn_engine.log.ingest import ingest_files
-    from txn_engine.log.ledgers import derive_ledger_catalog
+    from txn_engine.log.ledgers import write_ledger_catalog
     from txn_engine.storage.warehouse import Warehouse
 
     raw = workdir / "raw.parquet"
@@ -247,7 +246,7 @@ def one_topic_prepare(entries: int, workdir: Path, seed: int = 11) -> None:
     with timed("ingest (validate + append to ledger_entries)"):
         ingest_files(wh, [str(raw)])
     with timed("ledgers catalog"):
-        wh.overwrite(LEDGERS, derive_ledger_catalog(wh.read(LEDGER_ENTRIES)))
+        write_ledger_catalog(wh)
 
 
 def one_topic_full_run(workdir: Path) -> dict:

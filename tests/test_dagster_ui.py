@@ -15,8 +15,8 @@ from assets.transaction_buffer.sensors import ledgers_closed_sensor, transaction
 from pipelines.definitions import ALL_ASSETS, ALL_CHECKS
 from tests.rows import entry, write_jsonl
 from txn_engine.log.ingest import ingest_files
-from txn_engine.storage.delta_io import DeltaTables, overwrite_small
-from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog, stale_catalog
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.log.ledgers import catalog_source_versions, write_ledger_catalog, stale_catalog
 from txn_engine.core.positions import ledger_partition_key
 from txn_engine.core.schema import ABORTED_TXNS, COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGERS, STABLE_POSITIONS, TXN_MARKERS
 
@@ -141,11 +141,11 @@ def test_a_catalog_derived_before_a_racing_ingest_is_stale(warehouse, tmp_path):
     log_read = warehouse.spark.read.format("delta").option("versionAsOf", int(sources[f"{LEDGER_ENTRIES}_version"])) \
         .load(warehouse.path(LEDGER_ENTRIES))
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [entry("other", 13, 0, producer=6, seq=1)]))])
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse, entries=log_read), commit_metadata=sources)
+    write_ledger_catalog(warehouse, entries=log_read, commit_metadata=sources)
     tables = DeltaTables(warehouse)
     assert tables.last_commit(LEDGERS)["timestamp"] >= tables.last_commit(LEDGER_ENTRIES)["timestamp"]
     assert 13 not in {r.ledger_id for r in warehouse.read(LEDGERS).collect()}
     reason = stale_catalog(warehouse)
     assert reason and LEDGER_ENTRIES in reason and f"derived from its version {sources[f'{LEDGER_ENTRIES}_version']}" in reason
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse), commit_metadata=catalog_source_versions(warehouse))
+    write_ledger_catalog(warehouse, commit_metadata=catalog_source_versions(warehouse))
     assert stale_catalog(warehouse) is None

@@ -203,8 +203,7 @@ def test_unknown_keys_say_why(warehouse, dagster_resources, tmp_path):
 def test_migrate_renames_ledger_id_keys_with_their_status(warehouse, warehouse_root, tmp_path, capsys, monkeypatch):
     from assets.partitions import LEDGER_PARTITIONS, LEGACY_PARTITIONS
     from txn_engine.log.ingest import ingest_files
-    from txn_engine.log.ledgers import current_ledger_catalog
-    from txn_engine.storage.delta_io import overwrite_small
+    from txn_engine.log.ledgers import write_ledger_catalog
     from txn_engine.core.schema import LEDGERS
 
     home = tmp_path / "dagster_home"
@@ -212,7 +211,7 @@ def test_migrate_renames_ledger_id_keys_with_their_status(warehouse, warehouse_r
     (home / "dagster.yaml").write_text(DAGSTER_YAML)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", HISTORY))])
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))
+    write_ledger_catalog(warehouse)
     # What an older release left: keys 0 and 1 (ledger ids alone), materialized; orders-0/0 offloaded.
     instance = DagsterInstance.get()
     old = ["0000000000000000000", "0000000000000000001"]

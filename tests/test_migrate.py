@@ -43,14 +43,13 @@ def _current_warehouse(warehouse, folder):
     state too), ledgers offloaded (manifest, tier, recorded states), a SQL model with a txn_id."""
     from tests.offload_history import COMMIT_D, HISTORY
     from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
-    from txn_engine.core.schema import LEDGERS
-    from txn_engine.log.ledgers import current_ledger_catalog
+    from txn_engine.log.ledgers import write_ledger_catalog
     from txn_engine.sql.models import load_model, run_model, sql_dir
     from txn_engine.storage.delta_io import overwrite_small
     from txn_engine.tier.offload import offload_ledgers
 
     ingest_files(warehouse, [str(write_jsonl(folder / "h.jsonl", HISTORY + COMMIT_D + [entry("z", 9, 0, txn=(3, 7))]))])
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))
+    write_ledger_catalog(warehouse)
     refresh_buffer(warehouse, ledger_inventory(warehouse), full=True)
     offload_ledgers(warehouse)
     overwrite_small(warehouse, "oldest_ongoing_txn", run_model(warehouse, load_model(sql_dir() / "oldest_ongoing_txn.sql")))

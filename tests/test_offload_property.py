@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 
 from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
 from txn_engine.tier.consumer import Consumer
-from txn_engine.storage.delta_io import DeltaTables, overwrite_small
-from txn_engine.log.ledgers import current_ledger_catalog
+from txn_engine.storage.delta_io import DeltaTables
+from txn_engine.log.ledgers import write_ledger_catalog
 from txn_engine.core.log_types import EntryType, LogEntry, Violation
 from txn_engine.tier.offload import FROM_BUFFER_STATE, offload_ledgers
 from txn_engine.core.positions import EARLIEST
 from txn_engine.tier.reader import TopicReader
 from txn_engine.tier.retention import RetentionPolicy, apply_retention
-from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS, LEDGERS
+from txn_engine.core.schema import COMMITTED_ENTRIES, LEDGER_ENTRIES, LEDGER_ENTRIES_SCHEMA, LEDGER_ENTRY_COLUMNS
 from txn_engine.reference.transaction_buffer import TopicTransactionBuffer, replay
 
 # One step: (starts a new ledger?, what to append, which open transaction / earlier send it picks).
@@ -100,7 +100,7 @@ def reference_manifest(entries: list[LogEntry]) -> dict[tuple[str, int], Counter
 def write_catalog(warehouse) -> None:
     """The `ledgers` catalog of the log as it is, as `txnlake run` writes it before the buffer runs
     (the buffer's scope and a read's budget come from it)."""
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))
+    write_ledger_catalog(warehouse)
 
 
 def read_all(warehouse, topics, **read_budget) -> dict[str, list[tuple]]:

@@ -18,14 +18,12 @@ from pipelines.cli import main
 from tests.offload_history import COMMIT_D, HISTORY, derive_buffer_tables, oracle_read
 from tests.rows import write_jsonl
 from txn_engine.core.errors import TableMissingError, TxnlakeError
-from txn_engine.storage.delta_io import overwrite_small
 from txn_engine.log.ingest import ingest_files
-from txn_engine.log.ledgers import current_ledger_catalog
+from txn_engine.log.ledgers import write_ledger_catalog
 from txn_engine.tier.offload import offload_ledgers
 from txn_engine.core.positions import EARLIEST, Position
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.tier.reader import SENT_COLUMNS, TopicReader, read_limit, repeated_in_tier, repeated_in_tier_on_spark, views_behind_log
-from txn_engine.core.schema import LEDGERS
 
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +41,7 @@ def positions(batch):
 
 def offload_history(warehouse, tmp_path):
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "h.jsonl", HISTORY))])
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))  # the catalog, then the buffer, as `txnlake run`
+    write_ledger_catalog(warehouse)  # the catalog, then the buffer, as `txnlake run`
     derive_buffer_tables(warehouse)
     offload_ledgers(warehouse)  # ledgers t/1 and u/5 go cold
     return warehouse

@@ -22,11 +22,11 @@ from txn_engine.buffer.refresh import ledger_inventory, refresh_buffer
 from txn_engine.buffer.spark_runner import compute_buffer_tables
 from txn_engine.tier.consumer import Consumer, ConsumerStateError, TopicDecisions, resumed_decisions
 from txn_engine.storage.arrow_frames import arrow_schema
-from txn_engine.storage.delta_io import DeltaTables, overwrite_small
+from txn_engine.storage.delta_io import DeltaTables
 from txn_engine.producers.engine import Engine
 from txn_engine.producers.ledger_writer import RolloverPolicy
 from txn_engine.log.ingest import ingest_files
-from txn_engine.log.ledgers import current_catalog_table, current_ledger_catalog, record_ledger_states
+from txn_engine.log.ledgers import current_catalog_table, current_ledger_catalog, record_ledger_states, write_ledger_catalog
 from txn_engine.tier.offload import (TierUncommitted, eligibility, eligible_not_offloaded, offload_ledgers, offloaded_ledgers,
                                      tier_uncommitted)
 from txn_engine.tier.reader import TopicReader
@@ -412,7 +412,7 @@ def test_buffer_runs_on_a_catalog_written_before_retention_keep_the_deleted_ledg
     gone rows for a change (was: "recomputed" from nothing, dropping the facts the state keeps of
     them, and every later run took them for behind)."""
     wh = offloaded
-    overwrite_small(wh, LEDGERS, current_ledger_catalog(wh))  # the catalog before retention
+    write_ledger_catalog(wh)  # the catalog before retention
     assert apply_retention(wh, RetentionPolicy(keep_ledgers=1)).deleted == [("t", 1), ("t", 2), ("t", 3), ("u", 5)]
     tables = DeltaTables(wh)
 

@@ -87,8 +87,8 @@ def test_recovery_reads_only_the_files_after_the_snapshots(warehouse, spark, mon
 
 
 def test_the_log_topics_come_from_a_fresh_catalog_else_from_the_log_batch_by_batch(warehouse, spark):
-    from txn_engine.storage.delta_io import DeltaTables, overwrite_small
-    from txn_engine.log.ledgers import catalog_source_versions, current_ledger_catalog
+    from txn_engine.storage.delta_io import DeltaTables
+    from txn_engine.log.ledgers import catalog_source_versions, write_ledger_catalog
     from txn_engine.core.schema import DELETED_LEDGERS, DELETED_LEDGERS_SCHEMA, LEDGERS
     from txn_engine.snapshots.recovery import _log_topics
 
@@ -101,7 +101,7 @@ def test_the_log_topics_come_from_a_fresh_catalog_else_from_the_log_batch_by_bat
 
     def materialize_catalog():
         sources = catalog_source_versions(warehouse)
-        overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse), commit_metadata=sources)
+        write_ledger_catalog(warehouse, commit_metadata=sources)
 
     entries = [LogEntry(t, ledger, k, "DATA") for t, ledger in (("a", 1), ("a", 2), ("b", 3), ("c", 4)) for k in range(2)]
     warehouse.overwrite(LEDGER_ENTRIES, frame(spark, entries))

@@ -86,15 +86,13 @@ def test_run_model_over_delta_tables(warehouse, tmp_path):
 
 def _offloaded_history(warehouse, folder):
     from tests.offload_history import HISTORY, derive_buffer_tables
-    from txn_engine.core.schema import LEDGERS
-    from txn_engine.log.ledgers import current_ledger_catalog
-    from txn_engine.storage.delta_io import overwrite_small
+    from txn_engine.log.ledgers import write_ledger_catalog
     from txn_engine.tier.offload import offload_ledgers
 
     # Keys of several UTF-8 widths, so byte counts differ from character counts.
     keyed = [entry("w", 9, i, key=k, payload=b"p" * i) for i, k in enumerate(["a", "é", "日本", "🙂", None])]
     ingest_files(warehouse, [str(write_jsonl(folder / "h.jsonl", HISTORY + keyed))])
-    overwrite_small(warehouse, LEDGERS, current_ledger_catalog(warehouse))
+    write_ledger_catalog(warehouse)
     derive_buffer_tables(warehouse)
     offload_ledgers(warehouse)
 

@@ -261,6 +261,16 @@ def current_catalog_table(warehouse: Warehouse, entries: DataFrame | None = None
     return derived_catalog_table(log, recorded_states_table(warehouse), deleted_ledgers_table(warehouse))
 
 
+def write_ledger_catalog(warehouse: Warehouse, entries: DataFrame | None = None,
+                         commit_metadata: dict[str, str] | None = None) -> pa.Table:
+    """Replace the `ledgers` table with `current_catalog_table` (of `entries` when given) in one
+    delta-rs commit carrying `commit_metadata` (the sources' versions: `catalog_source_versions`,
+    taken before); returns the rows written."""
+    catalog = current_catalog_table(warehouse, entries)
+    DeltaTables(warehouse).overwrite(LEDGERS, catalog, LEDGERS_SCHEMA, commit_metadata=commit_metadata)
+    return catalog
+
+
 def immutable_ledgers(warehouse: Warehouse) -> DataFrame:
     """Ledgers that take no new entries, for ingest: (topic, ledger_id, state, deleted_first_entry_id,
     deleted_last_entry_id). State is the recorded CLOSED (the engine's rollover: a closed BookKeeper
