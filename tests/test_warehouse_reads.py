@@ -1,15 +1,14 @@
 """`Warehouse.read`: a small table as the Parquet files of its Delta log, a table the files alone do
-not describe through Delta's reader, and the same rows either way; `sql_settings` for one block."""
+not describe through Delta's reader, and the same rows either way."""
 
 from __future__ import annotations
 
 import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
-from pyspark.sql import functions as F
 
 from txn_engine.core.errors import TableMissingError
-from txn_engine.storage.warehouse import PARQUET_READ_MAX_FILES, sql_settings
+from txn_engine.storage.warehouse import PARQUET_READ_MAX_FILES
 
 
 def _scan(frame) -> str:
@@ -83,17 +82,3 @@ def test_an_empty_table_and_a_missing_one(spark, warehouse):
     assert empty.count() == 0 and [f.name for f in empty.schema.fields] == ["topic", "ledger_id", "payload"]
     with pytest.raises(TableMissingError, match="does not exist yet"):
         warehouse.read("nothing", str(warehouse.settings.warehouse) + "/nothing")
-
-
-def test_sql_settings_hold_inside_the_block_and_the_session_gets_its_own_back(spark):
-    key, unset_key = "spark.sql.adaptive.enabled", "spark.sql.test.txnlake.unset"
-    before = spark.conf.get(key)
-    with pytest.raises(RuntimeError, match="inside"):
-        with sql_settings(spark, {key: "false", unset_key: "1"}):
-            assert (spark.conf.get(key), spark.conf.get(unset_key)) == ("false", "1")
-            plan = spark.range(10).groupBy((F.col("id") % 3).alias("k")).count()._jdf.queryExecution().executedPlan()
-            assert "AdaptiveSparkPlan" not in plan.toString()
-            raise RuntimeError("a failure inside")
-    assert spark.conf.get(key) == before and spark.conf.get(unset_key, None) is None
-    plan = spark.range(10).groupBy((F.col("id") % 3).alias("k")).count()._jdf.queryExecution().executedPlan()
-    assert "AdaptiveSparkPlan" in plan.toString()

@@ -64,7 +64,7 @@ from txn_engine.core.schema import (
     STABLE_POSITIONS_SCHEMA,
     TXN_MARKERS,
 )
-from txn_engine.storage.warehouse import Warehouse, sql_settings
+from txn_engine.storage.warehouse import Warehouse
 
 STATE_TABLES = (BUFFER_PENDING_ENTRIES, BUFFER_DUPLICATES, BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS)
 LEDGER_COUNT_COLUMNS = ["topic", "ledger_id", "entry_count", "last_entry_id"]
@@ -82,10 +82,6 @@ LEDGER_COLUMN = {
     BUFFER_SEQUENCE_RANGES: "ledger_id",
     BUFFER_LEDGER_TXNS: "ledger_id",
 }
-
-
-# Spark SQL settings of an incremental run on Spark (docs/benchmarks.md, "buffer").
-INCREMENTAL_SQL_SETTINGS = {"spark.sql.adaptive.enabled": "false"}
 
 
 @dataclass
@@ -370,10 +366,7 @@ def _refresh_incrementally(wh: Warehouse, tables: DeltaTables, plan: ScopePlan, 
     entries = entries_all.filter(F.col("ledger_id").isin(sorted(plan.ledgers))).cache()
     kept_state = {t: wh.read(t).filter(_kept_state_rows(plan)) for t in STATE_TABLES}
     try:
-        # Without adaptive execution: the run's shuffles are few and partitioned by topic already,
-        # and each of its query stages would otherwise be a Spark job of its own, planned again.
-        with sql_settings(wh.spark, INCREMENTAL_SQL_SETTINGS):
-            return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, route.scope_max)
+        return _refresh_on_spark(wh, entries, kept_state, old_stable, plan, after_write, route.scope_max)
     finally:
         entries.unpersist()
 

@@ -216,22 +216,6 @@ def parquet_files(handle: deltalake.DeltaTable) -> list[str] | None:
     return files
 
 
-@contextmanager
-def sql_settings(spark: SparkSession, settings: dict[str, str]) -> Iterator[None]:
-    """Spark SQL `settings` for the queries planned inside the block, the session's own restored after it."""
-    before = {key: spark.conf.get(key, None) for key in settings}
-    for key, value in settings.items():
-        spark.conf.set(key, value)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                spark.conf.unset(key)
-            else:
-                spark.conf.set(key, value)
-
-
 def _same_columns(a: StructType, b: StructType) -> bool:
     """The same column names and types, in order, whatever their nullability."""
     return [(f.name, f.dataType) for f in a.fields] == [(f.name, f.dataType) for f in b.fields]
