@@ -138,8 +138,7 @@ def test_a_catalog_derived_before_a_racing_ingest_is_stale(warehouse, tmp_path):
     ingest, without its rows. Commit times called that fresh; the versions it was derived from do not."""
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "a.jsonl", HISTORY))])
     sources = catalog_source_versions(warehouse)
-    log_read = warehouse.spark.read.format("delta").option("versionAsOf", int(sources[f"{LEDGER_ENTRIES}_version"])) \
-        .load(warehouse.path(LEDGER_ENTRIES))
+    log_read = warehouse.read(LEDGER_ENTRIES, version=int(sources[f"{LEDGER_ENTRIES}_version"]))
     ingest_files(warehouse, [str(write_jsonl(tmp_path / "b.jsonl", [entry("other", 13, 0, producer=6, seq=1)]))])
     write_ledger_catalog(warehouse, entries=log_read, commit_metadata=sources)
     tables = DeltaTables(warehouse)

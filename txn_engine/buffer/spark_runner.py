@@ -220,6 +220,13 @@ def _fold_partition(batches: Iterator[pa.RecordBatch], chunk_entries: int) -> It
         yield from _as_union({STABLE_POSITIONS: decided.tables[STABLE_POSITIONS]}, OUTPUT_SCHEMA, topic).to_batches()
 
 
+def decision_schema(name: str) -> StructType:
+    """The columns of the kernel's table `name` as read from its output: the group's `topic` first
+    when its own columns do not hold it."""
+    schema = DECISION_SCHEMAS[name]
+    return schema if "topic" in schema.fieldNames() else StructType([StructField("topic", StringType()), *schema.fields])
+
+
 @dataclass
 class SparkDecisions:
     """The kernel's outputs on Spark, persisted once and read per table."""
@@ -227,11 +234,11 @@ class SparkDecisions:
     frame: DataFrame
 
     def table(self, name: str) -> DataFrame:
-        """Table `name`'s rows, with the group's `topic` first when its own columns do not hold it."""
-        schema = DECISION_SCHEMAS[name]
-        topic = [] if "topic" in schema.fieldNames() else [F.col("topic")]
-        return self.frame.where(F.col("kind") == name).select(
-            *topic, *[F.col(f"{name}.{f.name}").cast(f.dataType).alias(f.name) for f in schema.fields])
+        """Table `name`'s rows in `decision_schema(name)`."""
+        own = set(DECISION_SCHEMAS[name].fieldNames())
+        return self.frame.where(F.col("kind") == name).select(*[
+            F.col(f"{name}.{f.name}" if f.name in own else f.name).cast(f.dataType).alias(f.name)
+            for f in decision_schema(name).fields])
 
     def violations(self) -> dict[str, int]:
         row = self.table("violations").agg(*[F.coalesce(F.sum(v), F.lit(0)).alias(v) for v in VIOLATIONS]).first()
@@ -370,8 +377,7 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
     from which the segments and stable positions are broadcast without a job over `decided`."""
     spark = rows.sparkSession
     if small is not None and VISIBLE in small:
-        segments = F.broadcast(local_frame(spark, small[VISIBLE], StructType(
-            [StructField("topic", StringType()), *DECISION_SCHEMAS[VISIBLE].fields])))
+        segments = F.broadcast(local_frame(spark, small[VISIBLE], decision_schema(VISIBLE)))
     else:
         segments = decided.table(VISIBLE)
         # Broadcast while the segments fit: the full rows then stream past them, never shuffled.
@@ -382,7 +388,7 @@ def committed_rows(decided: SparkDecisions, rows: DataFrame, broadcast_max_bytes
     code = F.get(F.col("codes"), (F.col("entry_id") - F.col("first_entry_id")).cast("int"))
     joined = joined.withColumn("_code", code).where(F.col("_code") >= 0)
     code = F.col("_code")
-    stable = (local_frame(spark, small[STABLE_POSITIONS], DECISION_SCHEMAS[STABLE_POSITIONS]) if small is not None
+    stable = (local_frame(spark, small[STABLE_POSITIONS], decision_schema(STABLE_POSITIONS)) if small is not None
               else decided.table(STABLE_POSITIONS)).select(
         "topic", F.col("max_read_ledger_id").alias("_sl"), F.col("max_read_entry_id").alias("_se"))
     joined = joined.join(F.broadcast(stable), "topic")  # a row per topic
@@ -419,7 +425,7 @@ def collect_narrow(decided: SparkDecisions, max_bytes: int) -> dict[str, pa.Tabl
     kinds = [*SMALL_KINDS, *([VISIBLE] if small_bytes + (sizes["segments"] or 0) <= max_bytes else [])]
     union = decided.frame.where(F.col("kind").isin(kinds)).select("topic", "kind", *kinds).toArrow()
     small = {name: _of_kind(union, name) for name in kinds}
-    if VISIBLE in small:  # with the group's topic first, as `SparkDecisions.table` gives them
+    if VISIBLE in small:  # in `decision_schema(VISIBLE)`, as `SparkDecisions.table` gives them
         small[VISIBLE] = small[VISIBLE].add_column(0, "topic", union.filter(pc.equal(union["kind"], VISIBLE))["topic"])
     return {name: kernel.conform(table, TABLE_SCHEMAS[name]) if name in NARROW_TABLES else table
             for name, table in small.items()}
@@ -445,7 +451,7 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
     tables[COMMITTED_ENTRIES] = committed_rows(decided, rows, small=small)
     # Only the ledgers that hold pending rows are read again.
     if small:
-        pending = local_frame(entries.sparkSession, small[PENDING], DECISION_SCHEMAS[PENDING])
+        pending = local_frame(entries.sparkSession, small[PENDING], decision_schema(PENDING))
         ledgers = sorted(set(small[PENDING]["ledger_id"].to_pylist()))
     else:
         pending = decided.table(PENDING)

@@ -125,10 +125,10 @@ class Warehouse:
         return self.spark.read.schema(schema).parquet(*files)
 
     def read_or_empty(self, table: str, schema: StructType, path: str | None = None) -> DataFrame:
-        location = path or self.path(table)
-        if self.exists(table, location):
-            return self.read(table, location)
-        return local_frame(self.spark, [], schema)
+        try:
+            return self.read(table, path)
+        except TableMissingError:
+            return local_frame(self.spark, [], schema)
 
     def version(self, table: str, path: str | None = None) -> int | None:
         location = path or self.path(table)
