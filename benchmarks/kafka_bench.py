@@ -10,10 +10,15 @@ the same files:
 - import: `import_kafka` into an empty warehouse (parse on Spark, validate, append to
   `ledger_entries`), ROUNDS + 1 times, each into a warehouse of its own: the first pays the JVM's
   warm-up of the import's code (as a `txnlake import-kafka` process does), the others do not (as
-  the read it is compared with). Each figure is the median of its rounds.
-Target: the import at most 2x the binary read. Prints seconds, records/s and MB/s of both, and the
-driver JVM's CPU seconds of each (all of Spark's work in local mode; on a shared machine their ratio
-moves far less than the wall times').
+  the read it is compared with);
+- writer floor: the same segments parsed and their records written as plain Parquet by Spark's
+  writer doing the least it can (no statistics, dictionaries or page checksums; no validation, no
+  Delta): what any import that writes through Spark costs at least.
+After the first read and the first import, each round times a read, a floor and an import, one
+after the other (the machine's speed moves between minutes); each figure is the median of its rounds.
+Target: the import at most 2x the binary read. Prints seconds, records/s and MB/s, the ratios to
+the read, and the driver JVM's CPU seconds of each (all of Spark's work in local mode; on a shared
+machine their ratio moves far less than the wall times').
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ SEGMENT_MB = 128
 BATCH_RECORDS = 50
 VALUE_BYTES = 1000
 ABORT_EVERY = 10  # one transaction in ten aborts
-ROUNDS = 3  # reads, and imports after the first; each figure is their median (this machine swings)
+ROUNDS = 5  # rounds of a read, a floor and an import; each figure is their median (this machine swings)
 
 
 def _varint(value: int) -> bytes:
@@ -110,8 +115,9 @@ def write_log(folder: Path, total_mb: int) -> tuple[int, int]:
 
 def run(total_mb: int, workdir: Path) -> dict:
     from resources.spark import get_spark
+    from txn_engine.core.schema import LEDGER_ENTRY_COLUMNS
     from txn_engine.core.settings import WarehouseSettings
-    from txn_engine.log.kafka_import import import_kafka, resolve_segments
+    from txn_engine.log.kafka_import import import_kafka, parse_segments, resolve_segments
     from txn_engine.storage.warehouse import Warehouse
 
     print(f"== kafka import benchmark: {total_mb} MB, workdir {workdir}")
@@ -120,43 +126,59 @@ def run(total_mb: int, workdir: Path) -> dict:
         records, size = write_log(log, total_mb)
     mb = size / 1e6
     spark = get_spark()
-    paths = [s.path for s in resolve_segments(spark, [str(log)])]
-    # The session's first job pays the JVM's warm-up; the floor is a read without it.
-    spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()
-    reads = []
-    for i in range(ROUNDS):
-        os.sync()  # the log's (or an import's) dirty pages written back before, not during, what is timed
-        cpu = jvm_cpu_seconds(spark)
-        with timed(f"binary read {i + 1}: Spark reads every segment as bytes") as t:
-            read = spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()[0]
-        reads.append((t.seconds, jvm_cpu_seconds(spark) - cpu))
-        assert read == size, (read, size)
-    imports = []
-    for i in range(ROUNDS + 1):
-        wh = Warehouse(spark, WarehouseSettings(warehouse=str(workdir / f"wh-{i}")))
-        os.sync()
-        cpu = jvm_cpu_seconds(spark)
-        with timed(f"import {i + 1}: parse, validate, append to ledger_entries") as t:
-            summary = import_kafka(wh, [str(log)]).ingest
-        imports.append((t.seconds, jvm_cpu_seconds(spark) - cpu))
+    segments = resolve_segments(spark, [str(log)])
+    paths = [s.path for s in segments]
+
+    def read() -> None:
+        assert spark.read.format("binaryFile").load(paths).selectExpr("sum(length(content))").first()[0] == size
+
+    def floor(i: int) -> None:
+        parsed = parse_segments(spark, segments)
+        (parsed.select(*[c for c in LEDGER_ENTRY_COLUMNS if c in parsed.columns]).write
+         .option("parquet.column.statistics.enabled", "false").option("parquet.enable.dictionary", "false")
+         .option("parquet.page.write-checksum.enabled", "false").mode("overwrite").parquet(str(workdir / f"floor-{i}")))
+
+    def import_into(i: int) -> None:
+        summary = import_kafka(Warehouse(spark, WarehouseSettings(warehouse=str(workdir / f"wh-{i}"))), [str(log)]).ingest
         assert summary.rows_written == records, (summary.rows_written, records)
-    (t_first, cpu_first), warm = imports[0], imports[1:]
-    (t_read, cpu_read), (t_import, cpu_import) = _median(reads), _median(warm)
+
+    def step(label: str, body) -> tuple[float, float]:
+        os.sync()  # the log's (or a write's) dirty pages written back before, not during, what is timed
+        cpu = jvm_cpu_seconds(spark)
+        with timed(label) as t:
+            body()
+        return t.seconds, jvm_cpu_seconds(spark) - cpu
+
+    # The session's first job pays the JVM's warm-up; the floor is a read without it.
+    read()
+    t_first, cpu_first = step("import 0: parse, validate, append (pays the warm-up)", lambda: import_into(0))
+    reads, floors, imports = [], [], []
+    for i in range(1, ROUNDS + 1):
+        reads.append(step(f"binary read {i}: Spark reads every segment as bytes", read))
+        floors.append(step(f"writer floor {i}: parsed records as plain Parquet", lambda: floor(i)))
+        imports.append(step(f"import {i}: parse, validate, append to ledger_entries", lambda: import_into(i)))
+    (t_read, cpu_read), (t_floor, cpu_floor), (t_import, cpu_import) = _median(reads), _median(floors), _median(imports)
     ratio = t_import / t_read
     figures = {
         "records": records, "megabytes": round(mb, 1),
-        "binary_read_s": round(t_read, 2), "import_s": round(t_import, 2),
+        "binary_read_s": round(t_read, 2), "writer_floor_s": round(t_floor, 2), "import_s": round(t_import, 2),
         "first_import_s": round(t_first, 2), "first_import_cpu_s": round(cpu_first, 2),
         "import_records_per_s": round(records / t_import), "import_mb_per_s": round(mb / t_import, 1),
-        "read_mb_per_s": round(mb / t_read, 1), "ratio": round(ratio, 2),
-        "binary_read_cpu_s": round(cpu_read, 2), "import_cpu_s": round(cpu_import, 2), "cpu_ratio": round(cpu_import / cpu_read, 2),
+        "read_mb_per_s": round(mb / t_read, 1), "ratio": round(ratio, 2), "floor_ratio": round(t_floor / t_read, 2),
+        "binary_read_cpu_s": round(cpu_read, 2), "writer_floor_cpu_s": round(cpu_floor, 2),
+        "import_cpu_s": round(cpu_import, 2), "cpu_ratio": round(cpu_import / cpu_read, 2),
+        # The read swings most (its arrays are whole segments): ratios of each step's fastest round too.
+        "fastest_ratio": round(min(t for t, _ in imports) / min(t for t, _ in reads), 2),
+        "fastest_floor_ratio": round(min(t for t, _ in floors) / min(t for t, _ in reads), 2),
         "load_average": os.getloadavg()[0],
         "jvm_peak_mib": round(jvm_peak_rss_mib(spark)),
     }
     print(f"  {records:,} records, {mb:,.0f} MB: import {figures['import_records_per_s']:,} records/s, "
           f"{figures['import_mb_per_s']} MB/s; binary read {figures['read_mb_per_s']} MB/s; "
-          f"import / read = {ratio:.1f}x (target at most 2x); JVM CPU {cpu_import:.1f} s / {cpu_read:.1f} s = "
-          f"{cpu_import / cpu_read:.1f}x (medians of {ROUNDS}); first import {t_first:.1f} s, {cpu_first:.1f} s of CPU; "
+          f"import / read = {ratio:.1f}x (target at most 2x); writer floor / read = {t_floor / t_read:.1f}x, "
+          f"import / floor = {t_import / t_floor:.1f}x; fastest rounds: import / read = {figures['fastest_ratio']}x, "
+          f"floor / read = {figures['fastest_floor_ratio']}x; JVM CPU: import {cpu_import:.1f} s, floor {cpu_floor:.1f} s, "
+          f"read {cpu_read:.1f} s (medians of {ROUNDS}); first import {t_first:.1f} s, {cpu_first:.1f} s of CPU; "
           f"load average {os.getloadavg()[0]:.1f}")
     return figures
 
