@@ -82,3 +82,37 @@ def test_an_empty_table_and_a_missing_one(spark, warehouse):
     assert empty.count() == 0 and [f.name for f in empty.schema.fields] == ["topic", "ledger_id", "payload"]
     with pytest.raises(TableMissingError, match="does not exist yet"):
         warehouse.read("nothing", str(warehouse.settings.warehouse) + "/nothing")
+
+
+def test_topic_rows_decode_a_row_group_once_and_equal_a_filtered_scan(tmp_path):
+    """`TopicRows` over row groups of one topic, of several (where the sorted rows pass from one
+    topic to the next, and an unsorted file), and one whose bounds admit a topic it lacks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import pyarrow.compute as pc
+    from deltalake import DeltaTable, WriterProperties
+
+    from txn_engine.storage.delta_io import TopicRows
+
+    def rows(topics: list[str], first: int) -> pa.Table:
+        return pa.table({"topic": pa.array(topics, pa.string()),
+                         "entry_id": pa.array(range(first, first + len(topics)), pa.int64()),
+                         "payload": pa.array([bytes([i]) * 5 for i in range(len(topics))], pa.binary())})
+
+    location = str(tmp_path / "entries")
+    four = WriterProperties(max_row_group_size=4)
+    # Row groups [a a a a] [a a b b] [b b b b] [c c], then [b d b d] [b d].
+    write_deltalake(location, rows(["a"] * 6 + ["b"] * 6 + ["c"] * 2, 0), writer_properties=four)
+    write_deltalake(location, rows(["b", "d"] * 3, 100), mode="append", writer_properties=four)
+    source = DeltaTable(location).to_pyarrow_dataset()
+    topics = ["a", "b", "c", "d"]
+    reads = TopicRows(source, topics)
+    assert len(reads._shared) == 3  # [a a b b], [b d b d] (which admits c too), [b d]
+
+    with ThreadPoolExecutor(4) as pool:
+        got = dict(zip(topics, pool.map(reads.rows, topics)))
+    for topic in topics:
+        assert got[topic].equals(source.to_table(filter=pc.field("topic") == topic)), topic
+    assert [got[t].num_rows for t in topics] == [6, 9, 2, 3]
+    assert all(shared.table is None and shared.users == 0 for shared in reads._shared.values())  # none kept
+    assert reads.rows("e").num_rows == 0

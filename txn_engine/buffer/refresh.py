@@ -40,6 +40,7 @@ from txn_engine.storage.delta_io import (
     DeltaTables,
     fits_driver,
     ledger_predicate,
+    TopicRows,
     overwrite_small,
     sql_string,
 )
@@ -471,9 +472,9 @@ def _refresh_full_in_driver(wh: Warehouse, tables: DeltaTables, plan: ScopePlan,
         decided = kernel.full_scope_tables(entries)
         return kernel.wide_tables(decided, entries), decided.violations
 
+    reads = TopicRows(source, topics)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="buffer-topic") as pool:
-        parts = list(pool.map(lambda topic: tables_of(source.to_table(filter=pc.field("topic") == topic)),
-                              sorted(topics, key=lambda t: (-ledger_count[t], t))))
+        parts = list(pool.map(lambda topic: tables_of(reads.rows(topic)), sorted(topics, key=lambda t: (-ledger_count[t], t))))
     if not parts:  # an empty log: the tables of no entries
         parts = [tables_of(arrow_schema(LEDGER_ENTRIES_SCHEMA).empty_table())]
     computed = {table: pa.concat_tables([tables[table] for tables, _ in parts]) for table in parts[0][0]}

@@ -229,6 +229,58 @@ def stored_arrow(table: str, data: pa.Table) -> pa.Table:
     return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
 
+class TopicRows:
+    """A dataset's rows topic by topic (`rows(topic)`, safe to call from several threads), each
+    Parquet row group decoded once. A row group of one topic is read by that topic's call; one that
+    may hold several (where a file written in position order crosses from one topic to the next, or
+    a small log's single row group) is read by the first call that needs it and kept until each
+    topic its statistics admit has taken its rows. A filtered scan per topic decodes such a row
+    group once for every topic in it."""
+
+    def __init__(self, source: pyarrow.dataset.Dataset, topics: Iterable[str]):
+        self.schema = source.schema
+        names = list(topics)
+        self._groups: list[tuple[pyarrow.dataset.ParquetFileFragment, str | None, str | None]] = []
+        self._shared: dict[int, _SharedRowGroup] = {}
+        for fragment in source.get_fragments():
+            for group in fragment.split_by_row_group():
+                bounds = group.row_groups[0].statistics.get("topic") or {}
+                low, high = bounds.get("min"), bounds.get("max")
+                if low is None or low != high:
+                    self._shared[len(self._groups)] = _SharedRowGroup(sum(_may_hold(low, high, t) for t in names))
+                self._groups.append((group, low, high))
+
+    def rows(self, topic: str) -> pa.Table:
+        """The topic's rows, in the dataset's order."""
+        mine = pc.field("topic") == topic
+        parts = [self._shared[i].take(group, topic, self.schema) if i in self._shared
+                 else group.to_table(schema=self.schema, filter=mine)
+                 for i, (group, low, high) in enumerate(self._groups) if _may_hold(low, high, topic)]
+        return pa.concat_tables(parts) if parts else self.schema.empty_table()
+
+
+def _may_hold(low: str | None, high: str | None, topic: str) -> bool:
+    """Whether a row group whose topic statistics are `low`..`high` (None: unknown) may hold `topic`;
+    Python orders strings as Parquet orders their UTF-8 bytes."""
+    return (low is None or low <= topic) and (high is None or topic <= high)
+
+
+class _SharedRowGroup:
+    """A row group that may hold several topics: read once, kept until `users` topics took theirs."""
+
+    def __init__(self, users: int):
+        self.users = users
+        self.lock = threading.Lock()
+        self.table: pa.Table | None = None
+
+    def take(self, group: pyarrow.dataset.ParquetFileFragment, topic: str, schema: pa.Schema) -> pa.Table:
+        with self.lock:  # the others wait for the one read rather than decoding it again
+            table = self.table if self.table is not None else group.to_table(schema=schema)
+            self.users -= 1
+            self.table = table if self.users > 0 else None
+        return table.filter(pc.equal(table["topic"], topic))
+
+
 class DeltaTables:
     """Arrow reads and appends of the warehouse's Delta tables, without Spark."""
 
