@@ -5,8 +5,9 @@ Measured side by side in one run, on the same `ledger_entries` Delta table:
   run; the ratios are taken against the faster of the two;
 - full: the four tables and the incremental state computed and written as `refresh_buffer` runs
   it (a log within `DRIVER_FULL_RUN_MAX_BYTES`: in the driver, a topic per core), reported whole
-  and split; then the same full run on Spark (as a bigger log runs);
-- DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files;
+  and split; then the same full run on Spark (as a bigger log runs), and at the end again, warm;
+- DuckDB: the same logic (benchmarks/buffer_duckdb.py) over the table's Parquet files, first and
+  warm, in a process of its own; then the driver's full run again, warm;
 - incremental: one new ledger of BENCH_NEW_LEDGER_ENTRIES appended, then `refresh_buffer` for it
   in the driver, against the full run; then the same step on Spark.
 Prints seconds, rows/s, peak memory and the ratios (targets: full <= 2x plain copy, incremental
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import json
 import os
 import shutil
@@ -122,40 +124,32 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
     if counts != counts_first:
         print(f"  !! the full run on Spark wrote other row counts than the first: {counts} vs {counts_first}")
 
-    duck = full_warm = duck_warm = None
-    try:
-        import duckdb
-
-        from benchmarks.buffer_duckdb import compute_and_write
-
+    duck = full_warm = duck_warm = duck_peak = None
+    if importlib.util.find_spec("duckdb") is None:
+        print("  (duckdb not installed: pip install '.[dev]')")
+    else:
         files = sorted(glob.glob(str(Path(wh.path(LEDGER_ENTRIES)) / "*.parquet")))
         out = workdir / "duckdb"
         out.mkdir(exist_ok=True)
-        con = duckdb.connect()
-        con.execute("SET threads = 2")
-        with timed("full: four buffer tables (DuckDB, same logic)") as t_duck:
-            duck_counts = compute_and_write(con, files, str(out))
-        duck = t_duck.seconds
+        # A first run and a warm one, in a process of its own: its temp tables hold the log's rows,
+        # and no step measured here runs beside them.
+        with timed("full: four buffer tables (DuckDB, same logic), then again warm, in a process of its own"):
+            done = subprocess.run([sys.executable, "-m", "benchmarks.buffer_duckdb", json.dumps(files), str(out)],
+                                  check=True, capture_output=True, text=True)
+        duckdb_runs = json.loads(done.stdout.strip().splitlines()[-1])
+        (duck, duck_warm), duck_counts, duck_peak = duckdb_runs["seconds"], duckdb_runs["counts"], duckdb_runs["peak_rss_mib"]
+        print(f"  DuckDB: {duck:.2f} s, warm {duck_warm:.2f} s, peak RSS {duck_peak:,.0f} MiB")
         mapped = {TXN_MARKERS: duck_counts["first_markers"], STABLE_POSITIONS: duck_counts["stable_positions"],
                   ABORTED_TXNS: duck_counts["aborted_txns"], COMMITTED_ENTRIES: duck_counts["committed_entries"]}
         if mapped != counts:
             print(f"  !! DuckDB row counts differ from Spark's: {mapped} vs {counts}")
-        # DuckDB's temp tables hold the log's rows: closed, so no later step runs beside them.
-        con.close()
-        # Both again, each in its process warm: a first run pays first touches of memory, which
-        # the driver's run (first in the process) meets and DuckDB's (after it) may not.
+        # The driver again, warm: its first run is the process's first large Arrow work and pays
+        # first touches of memory, as DuckDB's first does in its process.
         with timed("full again, in the driver (warm)") as t_full_warm:
             refresh_buffer(wh, ledger_inventory(wh), full=True)
-        con = duckdb.connect()
-        con.execute("SET threads = 2")
-        with timed("full again, DuckDB (warm)") as t_duck_warm:
-            compute_and_write(con, files, str(out))
-        con.close()
-        full_warm, duck_warm = t_full_warm.seconds, t_duck_warm.seconds
-    except ImportError:
-        print("  (duckdb not installed: pip install '.[dev]')")
+        full_warm = t_full_warm.seconds
 
-    python_peak_duckdb = python_peak_rss_mib()
+    python_peak_before_incremental = python_peak_rss_mib()
 
     # One new ledger on top: generated apart, appended, the catalog refreshed, then the step.
     new_raw = workdir / "new.parquet"
@@ -232,7 +226,8 @@ def run(entries: int, workdir: Path, seed: int = 11, new_entries: int = 50_000) 
         "incremental_on_spark_steps_s": {k: round(v, 2) for k, v in inc_spark_steps.seconds.items()},
         "jvm_peak_rss_mib": jvm_peak,
         "python_peak_rss_mib_after_full": python_peak_full,
-        "python_peak_rss_mib_after_duckdb": python_peak_duckdb,
+        "python_peak_rss_mib_before_incremental": python_peak_before_incremental,
+        "duckdb_peak_rss_mib": duck_peak,
         "python_peak_rss_mib": python_peak_rss_mib(),
         "table_rows": counts,
         "load_average_at_end": load_average(),

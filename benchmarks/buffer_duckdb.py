@@ -84,3 +84,31 @@ def compute_and_write(con, parquet_files: list[str], out_dir: str) -> dict[str, 
         con.execute(f"COPY {table} TO '{out_dir}/{table}.parquet' (FORMAT parquet)")
         counts[table] = con.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
     return counts
+
+
+def runs(parquet_files: list[str], out_dir: str, rounds: int = 2) -> dict:
+    """`compute_and_write` `rounds` times, each on a connection of its own with 2 threads (the first
+    pays the process's first touches of memory): {"seconds": [...], "counts": {...}, "peak_rss_mib": ...}."""
+    import time
+
+    import duckdb
+
+    seconds, counts = [], {}
+    for _ in range(rounds):
+        con = duckdb.connect()
+        con.execute("SET threads = 2")
+        started = time.perf_counter()
+        counts = compute_and_write(con, parquet_files, out_dir)
+        seconds.append(time.perf_counter() - started)
+        con.close()
+    # VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's at the fork.
+    peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    return {"seconds": seconds, "counts": counts, "peak_rss_mib": peak_kib / 1024}
+
+
+if __name__ == "__main__":
+    # In a process of its own (`buffer_bench`): DuckDB's memory never sits beside the steps measured after it.
+    import json
+    import sys
+
+    print(json.dumps(runs(json.loads(sys.argv[1]), sys.argv[2])))
