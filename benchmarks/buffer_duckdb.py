@@ -9,6 +9,8 @@ their commit marker's position and their order inside the transaction.
 
 from __future__ import annotations
 
+import os
+
 BUFFER_SQL = """
 CREATE OR REPLACE TEMP VIEW entries AS SELECT * FROM read_parquet({files});
 
@@ -93,6 +95,8 @@ def runs(parquet_files: list[str], out_dir: str, rounds: int = 2) -> dict:
 
     import duckdb
 
+    from benchmarks.measure import peak_rss_mib
+
     seconds, counts = [], {}
     for _ in range(rounds):
         con = duckdb.connect()
@@ -102,8 +106,7 @@ def runs(parquet_files: list[str], out_dir: str, rounds: int = 2) -> dict:
         seconds.append(time.perf_counter() - started)
         con.close()
     # VmHWM, not ru_maxrss: a child's ru_maxrss starts from its parent's at the fork.
-    peak_kib = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-    return {"seconds": seconds, "counts": counts, "peak_rss_mib": peak_kib / 1024}
+    return {"seconds": seconds, "counts": counts, "peak_rss_mib": peak_rss_mib(os.getpid())}
 
 
 if __name__ == "__main__":

@@ -30,13 +30,15 @@ def timed(label: str) -> Iterator[Timing]:
         print(f"  {label:<48} {timing.seconds:8.2f} s", flush=True)
 
 
+def peak_rss_mib(pid: int) -> float:
+    """Peak resident memory of process `pid` (VmHWM), in MiB; NaN once it is gone."""
+    kib = _status(pid, "VmHWM:")
+    return float("nan") if kib is None else kib / 1024
+
+
 def jvm_peak_rss_mib(spark) -> float:
     """Peak resident memory of this process's Spark driver JVM (VmHWM), in MiB."""
-    pid = spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid()
-    for line in open(f"/proc/{pid}/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return peak_rss_mib(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
 
 
 def jvm_cpu_seconds(spark) -> float:

@@ -40,9 +40,9 @@ from txn_engine.storage.delta_io import (
     DeltaTables,
     fits_driver,
     ledger_predicate,
-    TopicRows,
     overwrite_small,
     sql_string,
+    TopicRows,
 )
 from txn_engine.log.ledgers import derived_catalog_table, recorded_states_table
 from txn_engine.storage.locks import writer_lock
