@@ -26,10 +26,11 @@ from tests.buffer_histories import (
     frame,
     history,
     in_topic,
+    planned_joins,
     rows_by_topic,
 )
 from txn_engine.buffer import kernel
-from txn_engine.buffer.spark_runner import BufferTables, decide_full, ledger_chunks
+from txn_engine.buffer.spark_runner import BufferTables, decide_full, ledger_chunks, wide_tables
 from txn_engine.storage.arrow_frames import arrow_schema
 from txn_engine.core.errors import TxnlakeError
 from txn_engine.core.log_types import LogEntry
@@ -37,6 +38,7 @@ from txn_engine.core.positions import Position
 from txn_engine.core.schema import (
     ABORTED_TXNS,
     ABORTED_TXNS_SCHEMA,
+    BUFFER_PENDING_ENTRIES,
     COMMITTED_ENTRIES,
     COMMITTED_ENTRIES_SCHEMA,
     LEDGER_ENTRIES_SCHEMA,
@@ -326,3 +328,23 @@ def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
         assert tables.violations == {v: totals[v] for v in VIOLATIONS}
     finally:
         tables.unpersist()
+
+
+def test_the_pending_rows_on_spark_are_broadcast_below_the_bound_and_shuffled_past_it(spark, scenario_entries):
+    """The rows a full run keeps pending, picked from the full rows by the kernel's decisions as the
+    driver picks them: the decisions broadcast while they fit (else Spark plans by the size of the
+    whole persisted frame and shuffles every full row of their ledgers), joined by shuffle past it."""
+    entries = frame(spark, reversed(scenario_entries))
+    decided = decide_full(entries)
+    try:
+        below = wide_tables(decided, entries)[BUFFER_PENDING_ENTRIES]
+        past = wide_tables(decided, entries, broadcast_max_bytes=0)[BUFFER_PENDING_ENTRIES]
+        assert planned_joins(spark, below)[0] == "BroadcastHashJoin"
+        assert planned_joins(spark, past)[0] == "SortMergeJoin"
+        driver = kernel.wide_tables(kernel.full_scope_tables(arrow_entries(scenario_entries)), arrow_entries(scenario_entries))
+        expected = sorted(tuple(r.values()) for r in driver[BUFFER_PENDING_ENTRIES].select(["topic", "ledger_id", "entry_id"]).to_pylist())
+        assert expected  # the scenarios leave transactions ongoing
+        for found in (below, past):
+            assert sorted(tuple(r) for r in found.select("topic", "ledger_id", "entry_id").collect()) == expected
+    finally:
+        decided.unpersist()

@@ -438,24 +438,31 @@ def violations_of(small: Mapping[str, pa.Table]) -> dict[str, int]:
 
 
 def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataFrame | None = None,
-                small: Mapping[str, pa.Table] | None = None) -> dict[str, DataFrame | pa.Table]:
+                small: Mapping[str, pa.Table] | None = None,
+                broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> dict[str, DataFrame | pa.Table]:
     """Every table of the run: the kernel's narrow tables, and the full rows it decided on joined in.
 
     `entries`: the scope's full rows; `pending_rows`: the stored pending rows of older ledgers a
     commit in the scope can make visible (full rows; None for a run with no state); `small`: the
-    narrow decisions when collected (`collect_narrow`), which are then returned as Arrow."""
+    narrow decisions when collected (`collect_narrow`), which are then returned as Arrow; the
+    decisions not collected are broadcast while they fit `broadcast_max_bytes`, else joined by shuffle."""
     tables = {name: small[name] if small else decided.table(name) for name in NARROW_TABLES}
     rows = entries.select(*LEDGER_ENTRY_COLUMNS)
     if pending_rows is not None:
         rows = rows.unionByName(pending_rows.select(*LEDGER_ENTRY_COLUMNS))
-    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows, small=small)
+    tables[COMMITTED_ENTRIES] = committed_rows(decided, rows, broadcast_max_bytes, small)
     # Only the ledgers that hold pending rows are read again.
     if small:
         pending = local_frame(entries.sparkSession, small[PENDING], decision_schema(PENDING))
         ledgers = sorted(set(small[PENDING]["ledger_id"].to_pylist()))
     else:
         pending = decided.table(PENDING)
-        ledgers = sorted(r.ledger_id for r in pending.select("ledger_id").distinct().collect())
+        # The ledgers and the rows in one job; broadcast while they fit: else Spark plans by the size of
+        # the whole persisted frame and shuffles every full row of those ledgers to meet a few.
+        per_ledger = pending.groupBy("ledger_id").count().collect()
+        ledgers = sorted(r.ledger_id for r in per_ledger)
+        if sum(r["count"] for r in per_ledger) * NARROW_ROW_BYTES <= broadcast_max_bytes:
+            pending = F.broadcast(pending)
     tables[BUFFER_PENDING_ENTRIES] = entries.where(F.col("ledger_id").isin(ledgers) if ledgers else F.lit(False)).select(
         *LEDGER_ENTRY_COLUMNS).join(pending, list(POSITION_COLUMNS), "left_semi")
     return tables
