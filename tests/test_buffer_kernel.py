@@ -314,7 +314,8 @@ def test_topics_folded_in_chunks_of_ledgers_equal_one_scope(entries, chunk_entri
 
 def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
     """The Spark runner: topics spread over partitions, each folded a ledger at a time (the
-    smallest chunks), the decisions joined with the full rows, the totals summed."""
+    smallest chunks), the decisions joined with the full rows, the totals summed, the rows kept
+    pending as the driver keeps them."""
     entries = frame(spark, reversed(scenario_entries))
     tables = BufferTables(decide_full(entries, chunk_entries=1), entries)
     try:
@@ -326,25 +327,20 @@ def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
         for counts in expected["violations"].values():
             totals.update(dict(zip(VIOLATIONS, counts)))
         assert tables.violations == {v: totals[v] for v in VIOLATIONS}
-    finally:
-        tables.unpersist()
 
-
-def test_the_pending_rows_on_spark_are_broadcast_below_the_bound_and_shuffled_past_it(spark, scenario_entries):
-    """The rows a full run keeps pending, picked from the full rows by the kernel's decisions as the
-    driver picks them: the decisions broadcast while they fit (else Spark plans by the size of the
-    whole persisted frame and shuffles every full row of their ledgers), joined by shuffle past it."""
-    entries = frame(spark, reversed(scenario_entries))
-    decided = decide_full(entries)
-    try:
-        below = wide_tables(decided, entries)[BUFFER_PENDING_ENTRIES]
-        past = wide_tables(decided, entries, broadcast_max_bytes=0)[BUFFER_PENDING_ENTRIES]
+        # The rows kept pending, picked from the full rows as the driver picks them: the decisions
+        # broadcast while they fit (else Spark plans by the size of the whole persisted frame and
+        # shuffles every full row of their ledgers), joined by shuffle past the bound.
+        below = wide_tables(tables.decided, entries)[BUFFER_PENDING_ENTRIES]
+        past = wide_tables(tables.decided, entries, broadcast_max_bytes=0)[BUFFER_PENDING_ENTRIES]
         assert planned_joins(spark, below)[0] == "BroadcastHashJoin"
         assert planned_joins(spark, past)[0] == "SortMergeJoin"
-        driver = kernel.wide_tables(kernel.full_scope_tables(arrow_entries(scenario_entries)), arrow_entries(scenario_entries))
-        expected = sorted(tuple(r.values()) for r in driver[BUFFER_PENDING_ENTRIES].select(["topic", "ledger_id", "entry_id"]).to_pylist())
+        rows = arrow_entries(scenario_entries)
+        in_driver = kernel.wide_tables(kernel.full_scope_tables(rows), rows)[BUFFER_PENDING_ENTRIES]
+        expected = sorted(tuple(r.values()) for r in in_driver.select(["topic", "ledger_id", "entry_id"]).to_pylist())
         assert expected  # the scenarios leave transactions ongoing
         for found in (below, past):
             assert sorted(tuple(r) for r in found.select("topic", "ledger_id", "entry_id").collect()) == expected
     finally:
-        decided.unpersist()
+        tables.unpersist()
+
