@@ -172,14 +172,16 @@ def with_row_index(entries: pa.Table) -> pa.Table:
 
 # -- the facts ----------------------------------------------------------------------------------
 
-def sequenced(narrow: pa.Table) -> pa.Table:
-    """DATA entries with both producer_id and sequence_id: the ones de-duplication looks at."""
-    return narrow.filter(pc.and_(is_data(narrow), has_sequence(narrow)))
+def sequenced(narrow: pa.Table, columns: list[str] | None = None) -> pa.Table:
+    """DATA entries with both producer_id and sequence_id: the ones de-duplication looks at; only
+    their `columns` when given (a filter copies every column it keeps)."""
+    mask = pc.and_(is_data(narrow), has_sequence(narrow))
+    return (narrow if columns is None else narrow.select(columns)).filter(mask)
 
 
 def duplicate_positions(narrow: pa.Table) -> pa.Table:
     """Positions of DATA entries repeating an earlier (topic, producer_id, sequence_id) of `narrow`."""
-    ordered = grouped(sequenced(narrow).select(SEQUENCE_KEY + ["ledger_id", "entry_id"]), SEQUENCE_KEY, ["ledger_id", "entry_id"])
+    ordered = grouped(sequenced(narrow, SEQUENCE_KEY + ["ledger_id", "entry_id"]), SEQUENCE_KEY, ["ledger_id", "entry_id"])
     return ordered.filter(pa.array(~group_starts(ordered, SEQUENCE_KEY))).select(POSITIONS)
 
 
@@ -190,13 +192,15 @@ def duplicates_of_earlier_ledgers(narrow: pa.Table, earlier_ranges: pa.Table) ->
     sequence id, with the running maximum of their last; an id is held when the last run
     starting at or before it reaches it (exact even if runs overlapped).
     """
-    entries = sequenced(narrow).select(SEQUENCE_KEY + ["ledger_id", "entry_id"])
+    if not earlier_ranges.num_rows:  # a first or full run: no earlier ledger to repeat
+        return _empty(POSITIONS, narrow)
+    entries = sequenced(narrow, SEQUENCE_KEY + ["ledger_id", "entry_id"])
     hits = []
     for ledger in pc.unique(entries["ledger_id"]).to_pylist():
-        here = entries.filter(pc.equal(entries["ledger_id"], ledger))
         ranges = earlier_ranges.filter(pc.less(earlier_ranges["ledger_id"], ledger))
         if ranges.num_rows == 0:
             continue
+        here = entries.filter(pc.equal(entries["ledger_id"], ledger))
         ranges = ranges.sort_by([(c, "ascending") for c in PRODUCER_KEY] + [("first_sequence_id", "ascending")])
         here = here.sort_by([(c, "ascending") for c in PRODUCER_KEY])
         range_groups = _groups(ranges, PRODUCER_KEY)
@@ -352,7 +356,8 @@ def committed_txns(txns: pa.Table) -> pa.Table:
 def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.Table:
     """The `VISIBLE` decisions: which kept DATA rows of `data` (narrow, with `_row`) a read-committed
     reader sees, where (`visible_ledger_id`, `visible_entry_id`), in what order (`local_seq`) and
-    whether at or below the stable position (`in_stable_prefix`), ordered by `_row`.
+    whether at or below the stable position (`in_stable_prefix`), in no set order: each reader
+    orders them as it needs (`select_rows` by `_row`, `visible_segments` by position).
 
     Transactional rows of a transaction missing from `committed` are left out.
     """
@@ -369,7 +374,6 @@ def read_committed(data: pa.Table, committed: pa.Table, stable: pa.Table) -> pa.
     visible = pa.concat_tables([plain.select(_VISIBLE_COLUMNS), numbered.select(_VISIBLE_COLUMNS)], promote_options="default")
     stable_at = stable.select(["topic", "max_read_ledger_id", "max_read_entry_id"])
     visible = visible.join(stable_at, "topic", join_type="inner")
-    visible = visible.take(pc.sort_indices(visible["_row"]))
     in_prefix = position_le(visible["ledger_id"], visible["entry_id"], visible["max_read_ledger_id"], visible["max_read_entry_id"])
     return visible.select(_VISIBLE_COLUMNS).append_column("in_stable_prefix", in_prefix)
 
@@ -431,15 +435,20 @@ def visible_segments(visible: pa.Table) -> pa.Table:
 
 
 def select_rows(rows: pa.Table, decided: pa.Table, schema) -> pa.Table:
-    """The full `rows` that `decided` (`_row`-ordered decisions by `_row`) names, with the decisions'
+    """The full `rows` that `decided` (decisions by `_row`, in any order) names, with the decisions'
     own columns beyond the position appended, in `schema`: a filter by mask, as a `take` of
-    payloads is several times slower (docs/benchmarks.md, "Buffer")."""
-    decided = decided.take(pc.sort_indices(decided["_row"]))  # a join may have reordered them
-    picked = rows.filter(pa.array(rows_mask(rows.num_rows, decided["_row"]))) if decided.num_rows < rows.num_rows \
-        else rows
-    for name in decided.column_names:
-        if name not in POSITIONS and name != "_row" and name not in picked.column_names:
-            picked = picked.append_column(name, decided[name])
+    payloads is several times slower (docs/benchmarks.md, "Buffer"). A row is decided once."""
+    row = decided["_row"].to_numpy()
+    mask = rows_mask(rows.num_rows, decided["_row"])
+    picked = rows.filter(pa.array(mask)) if len(row) < rows.num_rows else rows
+    own = [name for name in decided.column_names if name not in POSITIONS and name != "_row" and name not in picked.column_names]
+    if own:
+        # Each decision to the place of its row among the picked ones: a scatter, not a sort.
+        order = np.empty(len(row), dtype=np.int64)
+        order[(np.cumsum(mask) - 1)[row]] = np.arange(len(row))
+        placed = decided.select(own).take(order)
+        for name in own:
+            picked = picked.append_column(name, placed[name])
     return conform(picked, schema)
 
 
@@ -482,8 +491,8 @@ def pending_entries(narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Tab
 def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
     """Per (topic, producer_id, producer_epoch, ledger_id): the runs of consecutive sequence ids of its kept DATA."""
     group = PRODUCER_KEY + ["ledger_id"]
-    kept = sequenced(narrow.filter(pa.array(~duplicate[narrow["_row"].to_numpy()])))
-    ordered = grouped(kept.select(group + ["sequence_id"]), group, ["sequence_id"])
+    not_duplicate = narrow.select(group + ["sequence_id", "entry_type"]).filter(pa.array(~duplicate[narrow["_row"].to_numpy()]))
+    ordered = grouped(sequenced(not_duplicate, group + ["sequence_id"]), group, ["sequence_id"])
     starts = group_starts(ordered, group)
     ids = ordered["sequence_id"].to_numpy()
     starts[1:] |= ids[1:] != ids[:-1] + 1
@@ -604,7 +613,7 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
     whose rows the run does not write.
     """
     narrow = with_row_index(narrow.select(list(NARROW_COLUMNS)))
-    sequenced_here = sequenced(narrow)
+    sequenced_here = sequenced(narrow, ["topic", "producer_id"])
     earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
                                 & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))
     duplicates = distinct_positions(duplicate_positions(narrow), duplicates_of_earlier_ledgers(narrow, earlier_ranges))
