@@ -179,9 +179,16 @@ def sequenced(narrow: pa.Table, columns: list[str] | None = None) -> pa.Table:
     return (narrow if columns is None else narrow.select(columns)).filter(mask)
 
 
-def duplicate_positions(narrow: pa.Table) -> pa.Table:
-    """Positions of DATA entries repeating an earlier (topic, producer_id, sequence_id) of `narrow`."""
-    ordered = grouped(sequenced(narrow, SEQUENCE_KEY + ["ledger_id", "entry_id"]), SEQUENCE_KEY, ["ledger_id", "entry_id"])
+def by_sequence(narrow: pa.Table) -> pa.Table:
+    """The sequenced DATA rows of `narrow` (which has `_row`): key, position and `_row`, each key's
+    rows together in position order. De-duplication and the sequence ranges both read them."""
+    return grouped(sequenced(narrow, SEQUENCE_KEY + ["ledger_id", "entry_id", "_row"]), SEQUENCE_KEY, ["ledger_id", "entry_id"])
+
+
+def duplicate_positions(narrow: pa.Table, ordered: pa.Table | None = None) -> pa.Table:
+    """Positions of DATA entries repeating an earlier (topic, producer_id, producer_epoch,
+    sequence_id) of `narrow` (with `_row`; `ordered`: its `by_sequence`, when at hand)."""
+    ordered = by_sequence(narrow) if ordered is None else ordered
     return ordered.filter(pa.array(~group_starts(ordered, SEQUENCE_KEY))).select(POSITIONS)
 
 
@@ -488,18 +495,23 @@ def pending_entries(narrow: pa.Table, duplicate: np.ndarray, ledger_txns: pa.Tab
     return rows.take(pc.sort_indices(rows["_row"])).select(["_row"] + POSITIONS)
 
 
-def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray) -> pa.Table:
-    """Per (topic, producer_id, producer_epoch, ledger_id): the runs of consecutive sequence ids of its kept DATA."""
-    group = PRODUCER_KEY + ["ledger_id"]
-    not_duplicate = narrow.select(group + ["sequence_id", "entry_type"]).filter(pa.array(~duplicate[narrow["_row"].to_numpy()]))
-    ordered = grouped(sequenced(not_duplicate, group + ["sequence_id"]), group, ["sequence_id"])
-    starts = group_starts(ordered, group)
-    ids = ordered["sequence_id"].to_numpy()
+def sequence_ranges(narrow: pa.Table, duplicate: np.ndarray, ordered: pa.Table | None = None) -> pa.Table:
+    """Per (topic, producer_id, producer_epoch, ledger_id): the runs of consecutive sequence ids of
+    its kept DATA (`narrow` with `_row`; `ordered`: its `by_sequence`, when at hand).
+
+    Without its duplicates a key is at one position only, so in key order a run is a block of one
+    producer's consecutive ids in one ledger: no second sort, no group-by.
+    """
+    ordered = by_sequence(narrow) if ordered is None else ordered
+    kept = ordered.filter(pa.array(~duplicate[ordered["_row"].to_numpy()]))
+    starts = group_starts(kept, PRODUCER_KEY + ["ledger_id"])
+    ids = kept["sequence_id"].to_numpy()
     starts[1:] |= ids[1:] != ids[:-1] + 1
-    runs = ordered.append_column("_run", pa.array(np.cumsum(starts)))
-    folded = runs.group_by(group + ["_run"], use_threads=False).aggregate([("sequence_id", "min"), ("sequence_id", "max")])
-    return conform(folded.rename_columns({"sequence_id_min": "first_sequence_id", "sequence_id_max": "last_sequence_id"}),
-                   BUFFER_SEQUENCE_RANGES_SCHEMA)
+    first = np.flatnonzero(starts)
+    last = np.append(first[1:], len(ids))[:len(first)] - 1
+    runs = kept.select(PRODUCER_KEY + ["ledger_id"]).take(pa.array(first, pa.int64()))
+    return conform(runs.append_column("first_sequence_id", pa.array(ids[first], pa.int64()))
+                   .append_column("last_sequence_id", pa.array(ids[last], pa.int64())), BUFFER_SEQUENCE_RANGES_SCHEMA)
 
 
 def txns_to_refold(unmarked: pa.Table, scope_ledger_txns: pa.Table, stable_at: Mapping[str, int]) -> pa.Table:
@@ -616,7 +628,8 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
     sequenced_here = sequenced(narrow, ["topic", "producer_id"])
     earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
                                 & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))
-    duplicates = distinct_positions(duplicate_positions(narrow), duplicates_of_earlier_ledgers(narrow, earlier_ranges))
+    ordered = by_sequence(narrow)
+    duplicates = distinct_positions(duplicate_positions(narrow, ordered), duplicates_of_earlier_ledgers(narrow, earlier_ranges))
     duplicate = is_duplicate(narrow, duplicates)
     scope_ledger_txns = by_ledger_txn(narrow, duplicate)
     # Which transactions to refold, then every state row of theirs (a decided one's marker row is
@@ -651,7 +664,7 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
             STABLE_POSITIONS: stable,
             PENDING: pending_entries(narrow, duplicate, scope_ledger_txns),
             BUFFER_DUPLICATES: conform(duplicates, BUFFER_DUPLICATES_SCHEMA),
-            BUFFER_SEQUENCE_RANGES: sequence_ranges(narrow, duplicate),
+            BUFFER_SEQUENCE_RANGES: sequence_ranges(narrow, duplicate, ordered),
             BUFFER_LEDGER_TXNS: scope_ledger_txns,
         },
         violations=scoped_violation_totals(narrow, duplicate, duplicates, txns, scope_ledger_txns),
