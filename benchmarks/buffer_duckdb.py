@@ -9,7 +9,12 @@ their commit marker's position and their order inside the transaction.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import time
+
+from benchmarks.measure import peak_rss_mib
 
 BUFFER_SQL = """
 CREATE OR REPLACE TEMP VIEW entries AS SELECT * FROM read_parquet({files});
@@ -91,11 +96,7 @@ def compute_and_write(con, parquet_files: list[str], out_dir: str) -> dict[str, 
 def runs(parquet_files: list[str], out_dir: str, rounds: int = 2) -> dict:
     """`compute_and_write` `rounds` times, each on a connection of its own with 2 threads (the first
     pays the process's first touches of memory): {"seconds": [...], "counts": {...}, "peak_rss_mib": ...}."""
-    import time
-
-    import duckdb
-
-    from benchmarks.measure import peak_rss_mib
+    import duckdb  # optional (the dev extra): buffer_bench checks for it before starting this process
 
     seconds, counts = [], {}
     for _ in range(rounds):
@@ -111,7 +112,4 @@ def runs(parquet_files: list[str], out_dir: str, rounds: int = 2) -> dict:
 
 if __name__ == "__main__":
     # In a process of its own (`buffer_bench`): DuckDB's memory never sits beside the steps measured after it.
-    import json
-    import sys
-
     print(json.dumps(runs(json.loads(sys.argv[1]), sys.argv[2])))

@@ -343,4 +343,3 @@ def test_the_kernel_on_spark_equals_the_reference(spark, scenario_entries):
             assert sorted(tuple(r) for r in found.select("topic", "ledger_id", "entry_id").collect()) == expected
     finally:
         tables.unpersist()
-

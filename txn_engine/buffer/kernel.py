@@ -627,10 +627,9 @@ def scope_tables(narrow: pa.Table, scope: set[int], read_state: StateReader, old
     whose rows the run does not write.
     """
     narrow = with_row_index(narrow.select(list(NARROW_COLUMNS)))
-    sequenced_here = sequenced(narrow, ["topic", "producer_id"])
-    earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(sequenced_here["topic"]))
-                                & pc.field("producer_id").isin(pc.unique(sequenced_here["producer_id"])))
     ordered = by_sequence(narrow)
+    earlier_ranges = read_state(BUFFER_SEQUENCE_RANGES, pc.field("topic").isin(pc.unique(ordered["topic"]))
+                                & pc.field("producer_id").isin(pc.unique(ordered["producer_id"])))
     duplicates = distinct_positions(duplicate_positions(narrow, ordered), duplicates_of_earlier_ledgers(narrow, earlier_ranges))
     duplicate = is_duplicate(narrow, duplicates)
     scope_ledger_txns = by_ledger_txn(narrow, duplicate)
