@@ -68,6 +68,15 @@ class Broker:
                 self.process.wait(10)
 
 
+def random_cluster_id() -> str:
+    """A KRaft cluster id as Kafka's `Uuid.randomUuid` makes them: URL-safe base64 of 16 random
+    bytes, never starting with "-" (StorageTool would read `-t -abc...` as another option)."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 @contextmanager
 def running_broker(root: Path) -> Iterator[Broker]:
     root.mkdir(parents=True, exist_ok=True)
@@ -100,7 +109,7 @@ def running_broker(root: Path) -> Iterator[Broker]:
     classpath = ":".join(str(p) for p in require_kafka_jars())
     # A small heap and the client JIT: the broker shares 2 cores with Spark.
     java = ["java", "-Xmx384m", "-XX:+UseSerialGC", SUBPROCESS_JVM_OPTIONS, "-cp", classpath]
-    cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    cluster_id = random_cluster_id()
     out = root / "broker.log"
     subprocess.run(java + ["kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(config)],
                    check=True, capture_output=True, timeout=60)
