@@ -26,9 +26,11 @@ from tests.buffer_histories import (
     frame,
     history,
     in_topic,
+    planned_joins,
     stored_rows_by_topic,
 )
 from txn_engine.buffer.refresh import STATE_TABLES, buffer_lock, ledger_inventory, refresh_buffer
+from txn_engine.buffer.spark_runner import state_reads
 from txn_engine.storage.delta_io import NARROW_ROW_BYTES, DeltaTables, fits_driver
 from txn_engine.log.ledgers import derive_ledger_catalog
 from txn_engine.storage.locks import TableLockTimeout
@@ -39,6 +41,7 @@ from txn_engine.core.schema import (
     ABORTED_TXNS,
     BUFFER_LEDGER_TXNS,
     BUFFER_PENDING_ENTRIES,
+    BUFFER_SEQUENCE_RANGES,
     COMMITTED_ENTRIES,
     LEDGER_ENTRIES,
     LEDGER_ENTRY_COLUMNS,
@@ -289,6 +292,35 @@ def test_newly_closed_ledger_reads_only_its_entries_and_equals_a_full_recompute(
     for table in (*TABLES, *STATE_TABLES):
         columns = lambda schema: [(f.name, f.dataType, f.nullable) for f in schema.fields]  # noqa: E731
         assert columns(DeltaTables(warehouse).schema(table)) == columns(stored_schema(table)), table
+
+
+def test_the_state_a_spark_run_reads_is_filtered_where_it_lies_while_its_keys_fit_a_broadcast(spark, warehouse):
+    # A Spark incremental run reads the state rows of its scope's producers and transactions. While
+    # their keys fit a broadcast they are broadcast as they are, and the state tables are filtered
+    # where they are read; with no bound known Spark plans shuffles (AQE may broadcast later, but the
+    # state tables were shuffled by then). The same rows either way.
+    first = [e(1, 0, txn=T1, producer=1, seq=0, topic="a"), e(1, 1, txn=T2, topic="a"), e(1, 2, producer=1, seq=1, topic="a"),
+             e(2, 0, txn=T3, producer=2, seq=0, topic="b"), e(2, 1, producer=3, seq=0, topic="b")]
+    later = [e(3, 0, txn=T1, producer=1, seq=2, topic="a"), e(3, 1, "COMMIT", T1, topic="a"), e(4, 0, producer=2, seq=1, topic="b")]
+    append(warehouse, spark, first)
+    refresh(warehouse)
+    append(warehouse, spark, later)
+    entries = warehouse.read(LEDGER_ENTRIES).where("ledger_id IN (3, 4)")
+    state = {t: warehouse.read(t) for t in STATE_TABLES}
+    stable = {r.topic: r.max_read_ledger_id for r in warehouse.read(STABLE_POSITIONS).collect()}
+    broadcast = state_reads(state, entries, stable, key_rows=len(first) + len(later))
+    shuffled = state_reads(state, entries, stable, key_rows=None)
+    past_bound = state_reads(state, entries, stable, key_rows=len(first) + len(later), broadcast_max_bytes=NARROW_ROW_BYTES)
+    for table in (BUFFER_SEQUENCE_RANGES, BUFFER_LEDGER_TXNS, BUFFER_PENDING_ENTRIES):
+        semi_joins = lambda reads: [j for j in planned_joins(spark, reads[table]) if j != "BroadcastNestedLoopJoin"][:1]  # noqa: E731
+        assert semi_joins(broadcast) == ["BroadcastHashJoin"], table
+        assert semi_joins(shuffled) == semi_joins(past_bound) == ["SortMergeJoin"], table
+        rows = [sorted(map(tuple, reads[table].collect())) for reads in (broadcast, shuffled, past_bound)]
+        assert rows[0] == rows[1] == rows[2], table
+    # What the scope needs: producer 1's and 2's ranges (not 3's), T1 (touched) and T2, T3 (ongoing).
+    assert sorted({(r.topic, r.producer_id) for r in broadcast[BUFFER_SEQUENCE_RANGES].collect()}) == [("a", 1), ("b", 2)]
+    assert sorted({(r.topic, r.txn_least_bits) for r in broadcast[BUFFER_LEDGER_TXNS].collect()}) == sorted(
+        {("a", T1.least_bits), ("a", T2.least_bits), ("b", T3.least_bits)})
 
 
 def test_a_log_too_big_for_the_driver_writes_its_narrow_tables_through_it(spark, warehouse):

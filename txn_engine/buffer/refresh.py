@@ -398,7 +398,10 @@ def _refresh_on_spark(wh, entries, kept_state, old_stable, plan: ScopePlan, afte
         decided = spark_runner.decide_full(entries, topics={t for t, _, _ in plan.last_entries})
     else:
         stable_at = {r.topic: r.max_read_ledger_id for r in old_stable}
-        reads = spark_runner.state_reads(kept_state, entries, stable_at)
+        # The keys come from the scope's entries (at most last_entry_id + 1 a ledger) and the stored transactions.
+        key_rows = (sum(last + 1 for _, ledger, last in plan.last_entries if ledger in plan.ledgers)
+                    + DeltaTables(wh).row_count(BUFFER_LEDGER_TXNS))
+        reads = spark_runner.state_reads(kept_state, entries, stable_at, key_rows)
         pending_rows = reads[BUFFER_PENDING_ENTRIES]
         listed = plan.last_entries + plan.retained
         decided = spark_runner.decide_scope(entries, reads, {t for t, _, _ in listed}, plan.ledgers, stable_at, listed,

@@ -468,12 +468,24 @@ def wide_tables(decided: SparkDecisions, entries: DataFrame, pending_rows: DataF
     return tables
 
 
-def state_reads(state: Mapping[str, DataFrame], entries: DataFrame, old_stable: Mapping[str, int]) -> dict[str, DataFrame]:
+def state_reads(state: Mapping[str, DataFrame], entries: DataFrame, old_stable: Mapping[str, int],
+                key_rows: int | None = None, broadcast_max_bytes: int = BROADCAST_MAX_BYTES) -> dict[str, DataFrame]:
     """The kept state rows the scope's topics may read (a superset of what `scope_tables` asks):
     the sequence ranges of the scope's producers; the `buffer_ledger_txns` and pending rows of
     the transactions the scope touches or that may still be ongoing (kept data, no marker, at or
-    after the topic's stored stable ledger)."""
-    producers = entries.where(F.col("producer_id").isNotNull()).select("topic", "producer_id").distinct()
+    after the topic's stored stable ledger).
+
+    `key_rows`: a bound on the rows those producers and transactions come from (the scope's
+    entries and the stored `buffer_ledger_txns` rows), if known. Within `broadcast_max_bytes`
+    they are broadcast as they are, and the state tables are filtered where they are read; else
+    (or unknown) they are de-duplicated and the joins left to Spark, which shuffles the state
+    tables to meet them."""
+    broadcast = key_rows is not None and key_rows * NARROW_ROW_BYTES <= broadcast_max_bytes
+
+    def keys_of(frame: DataFrame) -> DataFrame:
+        return F.broadcast(frame) if broadcast else frame.distinct()
+
+    producers = keys_of(entries.where(F.col("producer_id").isNotNull()).select("topic", "producer_id"))
     ranges = state[BUFFER_SEQUENCE_RANGES].join(producers, ["topic", "producer_id"], "left_semi")
     ledger_txns = state[BUFFER_LEDGER_TXNS]
     stable = entries.sparkSession.createDataFrame(
@@ -485,10 +497,9 @@ def state_reads(state: Mapping[str, DataFrame], entries: DataFrame, old_stable: 
         .select(*TXN_KEY)
     )
     touched = entries.where(F.col("txn_least_bits").isNotNull()).select(*TXN_KEY)
-    keys = touched.unionByName(maybe_ongoing).distinct()
+    keys = keys_of(touched.unionByName(maybe_ongoing))
     return {
         BUFFER_SEQUENCE_RANGES: ranges,
         BUFFER_LEDGER_TXNS: ledger_txns.join(keys, list(TXN_KEY), "left_semi"),
         BUFFER_PENDING_ENTRIES: state[BUFFER_PENDING_ENTRIES].join(keys, list(TXN_KEY), "left_semi"),
     }
-
