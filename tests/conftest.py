@@ -21,15 +21,20 @@ from tests.jvm_options import SUBPROCESS_JVM_OPTIONS
 # tests only. Most tests also evaluate expressions interpreted, without generating and compiling
 # Java per query (Spark's own suites run both ways): on a few rows compiling is most of a query's
 # JVM time. The differential tests, Spark against the reference on random histories, run with
-# Spark's production codegen (`production_codegen`), as every subprocess the tests start does
-# (`make run`'s demo interprets, `SMALL_LOG_SPARK_CONF`). Evidence: docs/benchmarks.md, "The test suite".
-PRODUCTION_CODEGEN = {"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK"}
+# Spark's production codegen and adaptive execution (`production_spark`), as every subprocess the
+# tests start does (`make run`'s demo interprets, `SMALL_LOG_SPARK_CONF`). Evidence:
+# docs/benchmarks.md, "The test suite".
+PRODUCTION_SPARK_CONF = {"spark.sql.codegen.wholeStage": "true", "spark.sql.codegen.factoryMode": "FALLBACK",
+                         "spark.sql.adaptive.enabled": "true"}
 TEST_SPARK_CONF = {
     "spark.driver.memory": os.environ.get("TXNLAKE_TEST_DRIVER_MEMORY", "4g"),
     "spark.driver.extraJavaOptions": "-XX:+UseParallelGC -XX:CompileThresholdScaling=10",
     "spark.sql.codegen.cache.maxEntries": "10000",
     **SMALL_LOG_SPARK_CONF,
     "spark.sql.shuffle.partitions": "4",
+    # Adaptive execution re-plans after every shuffle: on the tests' tiny tables that costs more than
+    # it saves (the plans' results are the same; the differential tests run it, `production_spark`).
+    "spark.sql.adaptive.enabled": "false",
     "spark.app.name": "txnlake-tests",
 }
 
@@ -48,12 +53,13 @@ def spark():
 
 
 @pytest.fixture
-def production_codegen(spark):
-    """Spark's codegen as outside the tests (whole-stage, generated expressions) for one test."""
-    for key, value in PRODUCTION_CODEGEN.items():
+def production_spark(spark):
+    """Spark's codegen (whole-stage, generated expressions) and adaptive execution as outside the
+    tests, for one test."""
+    for key, value in PRODUCTION_SPARK_CONF.items():
         spark.conf.set(key, value)
     yield spark
-    for key in PRODUCTION_CODEGEN:
+    for key in PRODUCTION_SPARK_CONF:
         spark.conf.set(key, TEST_SPARK_CONF[key])
 
 

@@ -111,8 +111,8 @@ def delete_ledgers(wh, ledger_ids: list[int]) -> None:
 @settings(max_examples=1, deadline=None, database=None, phases=(Phase.explicit, Phase.generate),
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture])
 @given(st.lists(history(), min_size=12, max_size=16), st.data())
-def test_incremental_chunks_then_deletion_equal_the_reference(production_codegen, tmp_path_factory, histories, data):
-    spark = production_codegen
+def test_incremental_chunks_then_deletion_equal_the_reference(production_spark, tmp_path_factory, histories, data):
+    spark = production_spark
     warehouse = Warehouse(spark, WarehouseSettings(warehouse=str(tmp_path_factory.mktemp("wh"))))
     entries = in_log_order([x for i, h in enumerate(histories) for x in in_topic(f"h{i}-", h, prefix=True)])
     cut = data.draw(st.integers(1, len(entries) - 1))

@@ -115,7 +115,7 @@ def consume_all(warehouse, topics) -> dict[str, list[tuple]]:
 
 @settings(max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(histories=HISTORIES)
-def test_tier_plus_hot_reads_equal_the_reference(production_codegen, warehouse, histories):
+def test_tier_plus_hot_reads_equal_the_reference(production_spark, warehouse, histories):
     # Ledger ids are unique across topics, as BookKeeper's are: topic i uses ids from 100*i.
     entries = [e for i, steps in enumerate(histories) for e in build_history(f"h{i}", steps, 100 * (i + 1))]
     rows = [tuple(getattr(e, c) for c in LEDGER_ENTRY_COLUMNS) for e in entries]

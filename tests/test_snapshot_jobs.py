@@ -374,8 +374,8 @@ def segment_rows(rows: list[SnapshotSegment]) -> list[tuple]:
 @settings(max_examples=2, deadline=None, database=None, phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                    HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(op_lists, min_size=6, max_size=10))
-def test_random_histories_recover_on_spark(warehouse, production_codegen, histories_ops):
-    spark = production_codegen
+def test_random_histories_recover_on_spark(warehouse, production_spark, histories_ops):
+    spark = production_spark
     histories = [simulate(f"h{i}", ops, first_ledger=1000 * (i + 1), txn_base=i) for i, ops in enumerate(histories_ops)]
     entries = [e for h in histories for e in h.entries]
     if not entries:
