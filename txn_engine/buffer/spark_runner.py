@@ -488,8 +488,7 @@ def state_reads(state: Mapping[str, DataFrame], entries: DataFrame, old_stable: 
     producers = keys_of(entries.where(F.col("producer_id").isNotNull()).select("topic", "producer_id"))
     ranges = state[BUFFER_SEQUENCE_RANGES].join(producers, ["topic", "producer_id"], "left_semi")
     ledger_txns = state[BUFFER_LEDGER_TXNS]
-    stable = entries.sparkSession.createDataFrame(
-        pa.table({"topic": pa.array(list(old_stable), pa.string()), "_sl": pa.array(list(old_stable.values()), pa.int64())}))
+    stable = local_frame(entries.sparkSession, list(old_stable.items()), "topic string, _sl long")
     maybe_ongoing = (
         ledger_txns.where((F.col("marker_count") == 0) & F.col("data_entry_id").isNotNull())
         .join(F.broadcast(stable), "topic", "left")
